@@ -1,0 +1,292 @@
+"""``gradients()``: the checkpointed backward pass.
+
+Data flows one way: arguments are checked, the forward region between
+``xs`` and ``ys`` is found (:mod:`.graph`), checkpoints are chosen (a list or
+a strategy from :mod:`.strategies`), and the backward pass is built segment
+by segment: each kept tensor, in reverse topological order, has the ops
+between it and the earlier kept tensors copied (:mod:`.rewrite`) and
+differentiated with TensorFlow's own ``gradients``, after the gradient
+flowing into it is complete.  Copies wait (control inputs) for that
+gradient, so recomputation happens just before it is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence, Union
+
+from ._tensorflow import tf, tf_gradients
+from . import graph as graph_lib
+from . import rewrite
+from . import strategies
+
+logger = logging.getLogger("memory_saving_gradients")
+
+TensorOrList = Union[tf.Tensor, Sequence[tf.Tensor]]
+Checkpoints = Union[str, Sequence[tf.Tensor]]
+
+
+def gradients(
+    ys: TensorOrList,
+    xs,
+    grad_ys=None,
+    checkpoints: Checkpoints = "collection",
+    name: str = "gradients",
+    colocate_gradients_with_ops: bool = False,
+    gate_gradients: bool = False,
+    aggregation_method=None,
+    stop_gradients=None,
+    unconnected_gradients=tf.UnconnectedGradients.NONE,
+    memory_budget: int | None = None,
+) -> list:
+    """Drop-in for ``tf.compat.v1.gradients`` that recomputes instead of storing.
+
+    Args:
+      ys, xs, grad_ys, name, colocate_gradients_with_ops, gate_gradients,
+        aggregation_method, stop_gradients, unconnected_gradients: as in
+        ``tf.compat.v1.gradients``.  xs may be tensors or resource variables.
+      checkpoints: the tensors to keep from the forward pass: a list of
+        tensors, or a strategy name (``'collection'``: the graph collection
+        ``'checkpoints'``; see ``strategies.available()`` for the others).
+      memory_budget: bytes; for strategies that plan to a budget.
+
+    Returns:
+      A list with one gradient per x: a tensor, an ``IndexedSlices`` where
+      ``tf.gradients`` gives one, or None (zeros with
+      ``unconnected_gradients='zero'``).
+
+    Raises:
+      TypeError, ValueError: bad arguments; the graph is left unchanged.
+      RuntimeError: called eagerly (use it inside a ``tf.function``).
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "memory_saving_gradients.gradients works on graphs: call it inside a "
+            "tf.function or a tf.compat.v1 graph. In eager code use "
+            "memory_saving_gradients.GradientTape inside a tf.function."
+        )
+    options = dict(
+        name=name,
+        colocate_gradients_with_ops=colocate_gradients_with_ops,
+        gate_gradients=gate_gradients,
+        aggregation_method=aggregation_method,
+        stop_gradients=stop_gradients,
+        unconnected_gradients=unconnected_gradients,
+    )
+    unconnected = tf.UnconnectedGradients(unconnected_gradients)
+    ys_list = _tensor_list(ys, "ys")
+    xs_list = _as_list(xs)
+    graph = ys_list[0].graph
+    with graph.as_default():
+        xs_tensors = _x_tensors(xs_list, graph)
+        _check_same_graph(ys_list + xs_tensors, graph, "ys and xs")
+        stops = _tensor_list(stop_gradients, "stop_gradients") if stop_gradients is not None else []
+        grad_ys_list = _grad_ys_list(grad_ys, ys_list)
+        region = graph_lib.forward_region(ys_list, xs_tensors)
+        chosen = choose_checkpoints(checkpoints, ys_list, xs_tensors, region, graph, memory_budget)
+        if chosen is None:
+            return tf_gradients(ys, xs, grad_ys, **options)
+        logger.debug("checkpoints: %s", [t.name for t in chosen])
+        with tf.name_scope(name or "gradients"):
+            return _backprop(
+                ys_list, xs_tensors, grad_ys_list, region, chosen, stops, unconnected,
+                colocate_gradients_with_ops, gate_gradients, aggregation_method,
+            )
+
+
+def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
+    """``gradients`` with the tensors of the collection ``'checkpoints'``."""
+    return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
+
+
+def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None):
+    """Checked, usable checkpoint tensors, or None to fall back to ``tf.gradients``.
+
+    Drops xs, ys and tensors not between them.  An explicit list that keeps
+    nothing is an error; a strategy (or the collection) that finds nothing
+    logs a warning and falls back.
+    """
+    if isinstance(checkpoints, str):
+        strategy = strategies.get(checkpoints)
+        options = {} if memory_budget is None else {"memory_budget": memory_budget}
+        candidates = strategy(ys, xs, region, **options)
+        usable = usable_checkpoints(candidates, ys, xs, region)
+        if not usable:
+            logger.warning(
+                "checkpoints=%r found no tensor to keep between xs and ys; "
+                "using plain tf.gradients (no memory is saved).",
+                checkpoints,
+            )
+            return None
+        return usable
+    if memory_budget is not None:
+        raise ValueError("memory_budget is only used with a strategy, e.g. checkpoints='memory'.")
+    given = _checkpoint_list(checkpoints)
+    _check_same_graph(given, graph, "checkpoints")
+    usable = usable_checkpoints(given, ys, xs, region)
+    if not usable:
+        raise ValueError(
+            f"None of the {len(given)} checkpoints can be used: a checkpoint must be "
+            "a tensor computed from xs on the way to ys, and neither an x nor a y "
+            f"(got {[t.name for t in given][:10]}). Pass intermediate activations, "
+            "or use checkpoints='memory'."
+        )
+    return usable
+
+
+def usable_checkpoints(candidates, ys, xs, region) -> list:
+    """Candidates between xs and ys that are neither, deduplicated, in topological order."""
+    excluded = {t.ref() for t in list(ys) + list(xs)}
+    usable: dict = {}
+    for t in candidates:
+        if t.ref() in excluded or not region.produces(t):
+            logger.debug("checkpoint %s is not between xs and ys; ignored", t.name)
+            continue
+        usable.setdefault(t.ref(), t)
+    return sorted(usable.values(), key=graph_lib.tensor_order)
+
+
+def _backprop(
+    ys, xs, grad_ys, region, checkpoints, stops, unconnected,
+    colocate_gradients_with_ops, gate_gradients, aggregation_method,
+) -> list:
+    kept = graph_lib.boundary_tensors(region, ys, xs, checkpoints)
+    contributions: dict = {}
+    totals: dict = {}
+
+    def total(t):
+        key = t.ref()
+        if key not in totals:
+            parts = contributions.get(key)
+            totals[key] = (
+                rewrite.sum_gradients(parts, t.op if colocate_gradients_with_ops else None)
+                if parts else None
+            )
+        return totals[key]
+
+    for y, g in zip(ys, rewrite.default_grad_ys(grad_ys, ys, colocate_gradients_with_ops)):
+        contributions.setdefault(y.ref(), []).append(g)
+
+    stop_ops = {t.op for t in stops}
+    groups = sorted({t.op for t in kept.values() if t.op in region}, key=graph_lib.op_order, reverse=True)
+    for index, op in enumerate(groups):
+        targets = [t for t in op.outputs if t.ref() in kept and contributions.get(t.ref())]
+        if not targets or op in stop_ops:
+            continue
+        target_grads = [total(t) for t in targets]
+        segment = graph_lib.segment_for(targets, region, kept)
+        waits = [t.op for t in targets] + [
+            part.op for g in target_grads for part in rewrite.tensors_of(g)
+        ]
+        if segment.recompute:
+            copies = rewrite.copy_ops(segment.ops, {}, waits, f"recompute_{index}")
+            segment_ys = [copies[t.ref()] for t in targets]
+            segment_stops = [copies.get(s.ref(), s) for s in stops]
+        else:
+            segment_ys, segment_stops = targets, list(stops)
+        if not segment.inputs:
+            continue
+        input_grads = tf_gradients(
+            segment_ys,
+            list(segment.inputs),
+            grad_ys=target_grads,
+            name=f"backprop_{index}",
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            gate_gradients=gate_gradients,
+            aggregation_method=aggregation_method,
+            stop_gradients=list(segment.inputs) + segment_stops,
+        )
+        for t, g in zip(segment.inputs, input_grads):
+            if g is not None:
+                if t.ref() in totals:
+                    raise AssertionError(f"gradient of {t.name} was summed before it was complete")
+                contributions.setdefault(t.ref(), []).append(g)
+
+    results = []
+    for x in xs:
+        g = total(x)
+        if g is None and unconnected == tf.UnconnectedGradients.ZERO:
+            g = rewrite.zeros_like_gradient(x)
+        results.append(g)
+    return results
+
+
+def _as_list(value) -> list:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _tensor_list(value, what: str) -> list:
+    items = _as_list(value)
+    if not items:
+        raise ValueError(f"{what} is empty: pass at least one tensor.")
+    tensors = []
+    for item in items:
+        if isinstance(item, tf.Variable):
+            item = item.value()
+        if not isinstance(item, tf.Tensor):
+            raise TypeError(
+                f"{what} must be tensors of the graph being differentiated; got "
+                f"{type(item).__name__} {item!r:.80}."
+            )
+        tensors.append(item)
+    return tensors
+
+
+def _x_tensors(xs: list, graph: tf.Graph) -> list:
+    """xs as graph tensors: a resource variable becomes its handle, as in tf.gradients."""
+    if not xs:
+        raise ValueError("xs is empty: pass at least one tensor or variable.")
+    tensors = []
+    for x in xs:
+        if isinstance(x, tf.Variable):
+            x = x.handle
+            if not isinstance(x, tf.Tensor) or not hasattr(x, "graph") or x.graph is not graph:
+                x = tf.convert_to_tensor(x)  # captures an eager handle in a tf.function
+        if not isinstance(x, tf.Tensor):
+            raise TypeError(
+                f"xs must be tensors or resource variables; got {type(x).__name__} {x!r:.80}."
+            )
+        tensors.append(x)
+    return tensors
+
+
+def _checkpoint_list(checkpoints) -> list:
+    if isinstance(checkpoints, tf.Tensor):
+        checkpoints = [checkpoints]
+    if not isinstance(checkpoints, (list, tuple)):
+        raise TypeError(
+            f"checkpoints must be a strategy name {strategies.available()} or a list of "
+            f"tensors; got {type(checkpoints).__name__}."
+        )
+    if not checkpoints:
+        raise ValueError(
+            "checkpoints is an empty list: pass the tensors to keep, or a strategy "
+            f"name such as 'memory' (one of {strategies.available()})."
+        )
+    for t in checkpoints:
+        if not isinstance(t, tf.Tensor):
+            raise TypeError(
+                f"every checkpoint must be a tf.Tensor of the graph; got "
+                f"{type(t).__name__} {t!r:.80}."
+            )
+    return list(checkpoints)
+
+
+def _check_same_graph(tensors, graph, what: str) -> None:
+    for t in tensors:
+        if getattr(t, "graph", None) is not graph:
+            raise ValueError(
+                f"{what}: tensor {getattr(t, 'name', t)!r} belongs to another graph than "
+                "ys. Pass tensors built in the graph being differentiated."
+            )
+
+
+def _grad_ys_list(grad_ys, ys: list) -> list:
+    if grad_ys is None:
+        return [None] * len(ys)
+    grad_ys = _as_list(grad_ys)
+    if len(grad_ys) != len(ys):
+        raise ValueError(f"Length mismatch. Passed {len(grad_ys)} grad_ys for {len(ys)} ys")
+    return grad_ys

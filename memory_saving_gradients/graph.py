@@ -1,0 +1,201 @@
+"""Read-only analysis of the forward graph.
+
+Everything here is a pure function of existing ops and tensors: nothing is
+created or changed.  Walks are linear in ops + edges.  Graph tensors are
+unhashable inside a ``tf.function``, so sets and dicts of tensors are keyed by
+``tensor.ref()``; operations are hashable everywhere.
+
+Topological order: TensorFlow creates an op only after the ops of its inputs,
+so an op's creation id (``op._id``) is a topological order of the data edges
+of every op this library may recompute (the exceptions, back edges of v1
+``while_loop``s, belong to ops that are never recomputed).  Sorting by it is
+deterministic and needs no graph walk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+from ._tensorflow import tf
+
+# Op types whose outputs are never recomputed: control flow (v1 and v2) and
+# function calls are kept whole, since copying them one op at a time would
+# split loop frames or function semantics.
+CONTROL_FLOW_OP_TYPES = frozenset(
+    {
+        "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
+        "RefExit", "NextIteration", "RefNextIteration", "LoopCond",
+        "ControlTrigger", "While", "StatelessWhile", "If", "StatelessIf", "Case",
+        "StatelessCase", "PartitionedCall", "StatefulPartitionedCall",
+        "SymbolicGradient", "TPUPartitionedCall",
+    }
+)
+
+
+def op_order(op: tf.Operation) -> int:
+    """Creation id of an op: a deterministic topological order (see module doc)."""
+    return op._id  # pylint: disable=protected-access
+
+
+def tensor_order(tensor: tf.Tensor) -> tuple:
+    """Deterministic sort key of a tensor: producer's creation id, output index."""
+    return (op_order(tensor.op), tensor.value_index)
+
+
+def is_recomputable(op: tf.Operation) -> bool:
+    """Whether running a copy of ``op`` again is guaranteed to give the same result.
+
+    Stateful ops (random draws, variable reads and writes, queues, prints),
+    control flow, function calls, ops in a v1 control-flow context and ops on
+    reference tensors are never copied: their outputs are kept instead.
+    """
+    if op.type in CONTROL_FLOW_OP_TYPES:
+        return False
+    if op._control_flow_context is not None:  # pylint: disable=protected-access
+        return False
+    try:
+        if op.op_def.is_stateful:
+            return False
+    except (AttributeError, ValueError):  # functions called by name have no OpDef
+        return False
+    if op.graph._is_function(op.type):  # pylint: disable=protected-access
+        return False
+    if any(t.dtype._is_ref_dtype for t in op.inputs) or any(  # pylint: disable=protected-access
+        t.dtype._is_ref_dtype for t in op.outputs  # pylint: disable=protected-access
+    ):
+        return False
+    return bool(op.inputs)
+
+
+def is_differentiable(tensor: tf.Tensor) -> bool:
+    """Float or complex tensors carry gradients; integers, bools, resources do not."""
+    dtype = tensor.dtype.base_dtype
+    return dtype.is_floating or dtype.is_complex
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardRegion:
+    """The ops on a path from ``xs`` to ``ys`` (the ops ``tf.gradients`` differentiates).
+
+    ``ops`` is a set of operations; ``order`` lists them in topological order.
+    """
+
+    ops: frozenset
+    order: tuple
+
+    def __contains__(self, op: tf.Operation) -> bool:
+        return op in self.ops
+
+    def produces(self, tensor: tf.Tensor) -> bool:
+        return tensor.op in self.ops
+
+
+def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardRegion:
+    """Ops reachable from ``xs`` through data edges that also reach some of ``ys``."""
+    reached_from_xs: set = set()
+    stack = [consumer for x in xs for consumer in x.consumers()]
+    while stack:
+        op = stack.pop()
+        if op in reached_from_xs:
+            continue
+        reached_from_xs.add(op)
+        for output in op.outputs:
+            stack.extend(output.consumers())
+    region: set = set()
+    stack = [y.op for y in ys if y.op in reached_from_xs]
+    while stack:
+        op = stack.pop()
+        if op in region:
+            continue
+        region.add(op)
+        stack.extend(t.op for t in op.inputs if t.op in reached_from_xs)
+    return ForwardRegion(frozenset(region), tuple(sorted(region, key=op_order)))
+
+
+def consumed_outputs(op: tf.Operation, region: ForwardRegion) -> list:
+    """Outputs of ``op`` consumed by ops of the region."""
+    return [t for t in op.outputs if any(c in region for c in t.consumers())]
+
+
+def boundary_tensors(
+    region: ForwardRegion,
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    checkpoints: Iterable[tf.Tensor],
+) -> dict:
+    """The tensors kept from the forward pass, keyed by ``ref()``.
+
+    These are ``xs``, ``ys``, the checkpoints, and the tensors around every op
+    that is not recomputable (its region outputs, and its inputs produced in
+    the region), since such an op is differentiated in place.  A checkpoint
+    keeps every region output of its op, so that no op is ever both kept and
+    recomputed.
+    """
+    kept: dict = {}
+    for t in list(xs) + list(ys):
+        kept.setdefault(t.ref(), t)
+    boundary_ops = {t.op for t in checkpoints if t.op in region}
+    for op in region.order:
+        if not is_recomputable(op):
+            boundary_ops.add(op)
+            boundary_ops.update(t.op for t in op.inputs if t.op in region)
+    for op in sorted(boundary_ops, key=op_order):
+        for t in consumed_outputs(op, region):
+            kept.setdefault(t.ref(), t)
+    return kept
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """What the backward pass recomputes (or differentiates in place) for one group.
+
+    ``targets`` are kept tensors produced by one op; ``ops`` (topological
+    order) are the ops between them and the kept tensors they depend on;
+    ``inputs`` are those kept tensors.  ``recompute`` is False when the
+    segment is a single op that is differentiated in place.
+    """
+
+    targets: tuple
+    ops: tuple
+    inputs: tuple
+    recompute: bool
+
+
+def segment_for(
+    targets: Sequence[tf.Tensor], region: ForwardRegion, kept: dict
+) -> Segment:
+    """Walk back from ``targets`` to the kept tensors; linear in the segment's size."""
+    root = targets[0].op
+    seen = {root}
+    stack = [root]
+    inputs: dict = {}
+    while stack:
+        op = stack.pop()
+        for t in op.inputs:
+            if t.ref() in kept:
+                inputs.setdefault(t.ref(), t)
+            elif t.op in region and t.op not in seen:
+                seen.add(t.op)
+                stack.append(t.op)
+    ops = tuple(sorted(seen, key=op_order))
+    return Segment(
+        targets=tuple(targets),
+        ops=ops,
+        inputs=tuple(sorted(inputs.values(), key=tensor_order)),
+        recompute=is_recomputable(root),
+    )
+
+
+def tensor_bytes(tensor: tf.Tensor, unknown_dim: int = 1) -> int:
+    """Static size of a tensor in bytes; unknown dims count as ``unknown_dim``."""
+    shape = tensor.shape
+    if shape.rank is None:
+        return tensor.dtype.size if tensor.dtype != tf.resource else 0
+    count = 1
+    for dim in shape.as_list():
+        count *= unknown_dim if dim is None else dim
+    try:
+        return count * tensor.dtype.size
+    except TypeError:  # string/variant/resource
+        return 0

@@ -1,0 +1,152 @@
+"""The only module that creates or changes TensorFlow graph structure.
+
+It copies ops, adds control inputs to ops it created, and builds the small
+ops the backward pass needs (default ``grad_ys``, gradient sums).  Every use
+of TensorFlow's private graph API lives here, behind small functions.  It
+never decides what to copy: callers pass the ops.
+
+Ops that existed before a call are never changed: copies are new ops, and
+control inputs are only ever added to new ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Sequence
+
+from ._tensorflow import tf
+from tensorflow.python.framework import indexed_slices as _indexed_slices
+from tensorflow.python.framework import ops as _ops
+from tensorflow.python.ops import gradients_util as _gradients_util
+
+
+@contextlib.contextmanager
+def clean_scope(graph: tf.Graph, name_scope: str):
+    """Enter ``graph`` with no inherited control dependencies, device or colocation.
+
+    Copies must not pick up whatever ``tf.control_dependencies`` or
+    ``tf.device`` block the caller happens to be in; they take the device and
+    colocation of the op they copy instead.
+    """
+    with graph.as_default(), _ops.control_dependencies(None), graph.colocate_with(
+        None, ignore_existing=True
+    ), _ops.device(None), _ops.name_scope(name_scope):
+        yield
+
+
+def copy_ops(
+    ops: Sequence[tf.Operation],
+    replacements: dict,
+    control_inputs: Sequence[tf.Operation],
+    name_scope: str,
+) -> dict:
+    """Copy ``ops`` (in topological order) and return ``{original ref: copy}`` for their outputs.
+
+    An input of a copied op is taken from, in order: the copy of its producer,
+    ``replacements`` (keyed by ``tensor.ref()``), or the original tensor.
+    Control inputs between copied ops are mapped to the copies, others are
+    kept; every copy also gets ``control_inputs``.  Device, colocation, attrs
+    and static shapes of the originals are kept.
+    """
+    if not ops:
+        return {}
+    graph = ops[0].graph
+    copies: dict = dict(replacements)
+    copied_ops: dict = {}
+    with clean_scope(graph, name_scope):
+        for op in ops:
+            inputs = [copies.get(t.ref(), t) for t in op.inputs]
+            new_op = graph._create_op_internal(  # pylint: disable=protected-access
+                op.type,
+                inputs,
+                dtypes=[t.dtype for t in op.outputs],
+                input_types=[t.dtype for t in op.inputs],
+                name=op.name,
+                attrs=dict(op.node_def.attr),
+                op_def=op.op_def,
+                compute_device=False,
+            )
+            new_op._set_device(op.device)  # pylint: disable=protected-access
+            deps = [copied_ops.get(c, c) for c in op.control_inputs]
+            deps.extend(control_inputs)
+            if deps:
+                new_op._add_control_inputs(_unique_ops(deps))  # pylint: disable=protected-access
+            for old, new in zip(op.outputs, new_op.outputs):
+                new.set_shape(old.shape)
+                copies[old.ref()] = new
+            copied_ops[op] = new_op
+    return {
+        t.ref(): copies[t.ref()] for op in ops for t in op.outputs
+    }
+
+
+def add_control_inputs(ops: Iterable[tf.Operation], deps: Sequence[tf.Operation]) -> None:
+    """Make each of ``ops`` (which this library just created) wait for ``deps``."""
+    deps = _unique_ops(deps)
+    for op in ops:
+        missing = [d for d in deps if d is not op and d not in op.control_inputs]
+        if missing:
+            op._add_control_inputs(missing)  # pylint: disable=protected-access
+
+
+def default_grad_ys(
+    grad_ys: Sequence, ys: Sequence[tf.Tensor], colocate_gradients_with_ops: bool
+) -> list:
+    """TensorFlow's own filling of ``grad_ys`` (ones where None) and its type checks."""
+    uid = _ops.get_default_graph().unique_name("uid")
+    return _gradients_util._DefaultGradYs(  # pylint: disable=protected-access
+        list(grad_ys), list(ys), colocate_gradients_with_ops, uid
+    )
+
+
+def sum_gradients(
+    grads: Sequence, colocate_with: tf.Operation | None = None
+):
+    """Sum gradient contributions like ``tf.gradients``: sparse stays sparse.
+
+    If every contribution is an ``IndexedSlices`` the result is their
+    concatenation; otherwise all are made dense and added.
+    """
+    if len(grads) == 1:
+        return grads[0]
+    scope = (
+        _ops.colocate_with(colocate_with, ignore_existing=True)
+        if colocate_with is not None
+        else contextlib.nullcontext()
+    )
+    with scope:
+        if all(isinstance(g, _indexed_slices.IndexedSlices) for g in grads):
+            dense_shape = next(
+                (g.dense_shape for g in grads if g.dense_shape is not None), None
+            )
+            return _indexed_slices.IndexedSlices(
+                tf.concat([g.values for g in grads], axis=0),
+                tf.concat([g.indices for g in grads], axis=0),
+                dense_shape,
+            )
+        return tf.math.add_n([tf.convert_to_tensor(g) for g in grads])
+
+
+def tensors_of(gradient) -> list:
+    """The tensors a gradient (dense or ``IndexedSlices``) is made of."""
+    if isinstance(gradient, _indexed_slices.IndexedSlices):
+        parts = [gradient.values, gradient.indices]
+        if gradient.dense_shape is not None:
+            parts.append(gradient.dense_shape)
+        return parts
+    return [gradient]
+
+
+def _unique_ops(ops: Iterable[tf.Operation]) -> list:
+    seen: set = set()
+    unique = []
+    for op in ops:
+        if op not in seen:
+            seen.add(op)
+            unique.append(op)
+    return unique
+
+
+def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:
+    """What ``tf.gradients`` returns for an unconnected ``x`` with ``unconnected_gradients='zero'``."""
+    return _gradients_util._ZerosLike(x)  # pylint: disable=protected-access
