@@ -44,6 +44,31 @@ def peak_memory(run_metadata) -> dict:
     return peaks
 
 
+def peak_memory_by_device(run_metadata) -> dict:
+    """Peak bytes per device of a traced step, keyed by the step stats' device name.
+
+    Logical devices of one physical device share an allocator (two logical
+    CPUs both report ``'cpu'``/``'mklcpu'``), so :func:`peak_memory` cannot
+    tell them apart.  Here each node's allocation records count towards the
+    device the node ran on (e.g. ``'/job:localhost/replica:0/task:0/device:CPU:1'``):
+    the memory of the tensors that device's ops allocated.
+    """
+    records = collections.defaultdict(list)
+    for device in run_metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+            for memory in node.memory:
+                for record in memory.allocation_records:
+                    records[device.device].append((record.alloc_micros, record.alloc_bytes))
+    peaks = {}
+    for name, device_records in records.items():
+        running = peak = 0
+        for _, size in sorted(device_records):
+            running += size
+            peak = max(peak, running)
+        peaks[name] = peak
+    return peaks
+
+
 def traced_run(session, fetches, feed_dict=None, runs: int = 2):
     """Run ``fetches`` ``runs`` times with full tracing; return (values, RunMetadata of the last).
 
