@@ -153,7 +153,8 @@ class Segment:
     ``targets`` are kept tensors produced by one op; ``ops`` (topological
     order) are the ops between them and the kept tensors they depend on;
     ``inputs`` are those kept tensors.  ``recompute`` is False when the
-    segment is a single op that is differentiated in place.
+    segment is a single op, which is then differentiated in place: its
+    region inputs are kept anyway, so a copy would only cost time.
     """
 
     targets: tuple
@@ -183,7 +184,7 @@ def segment_for(
         targets=tuple(targets),
         ops=ops,
         inputs=tuple(sorted(inputs.values(), key=tensor_order)),
-        recompute=is_recomputable(root),
+        recompute=is_recomputable(root) and len(ops) > 1,
     )
 
 
