@@ -68,6 +68,46 @@ def is_recomputable(op: tf.Operation) -> bool:
     return bool(op.inputs)
 
 
+# What an op's registered gradient reads of the forward pass (besides shapes).
+# Used by the memory model, and to decide whether a one-op segment is better
+# differentiated in place.  Unknown types are assumed to read their inputs.
+GRADIENT_READS_NOTHING = frozenset(
+    {
+        "Add", "AddV2", "Sub", "AddN", "Neg", "Identity", "IdentityN", "Reshape",
+        "Squeeze", "ExpandDims", "BiasAdd", "ConcatV2", "Concat", "Pack", "Unpack",
+        "Split", "SplitV", "Slice", "StridedSlice", "Transpose", "Pad", "Cast",
+        "Sum", "Mean", "Tile", "StopGradient", "ReadVariableOp", "ResourceGather",
+        "GatherV2", "BroadcastTo", "ZerosLike", "OnesLike", "Snapshot", "EnsureShape",
+    }
+)
+GRADIENT_READS_OUTPUTS = frozenset(
+    {
+        "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Exp", "Sqrt", "Rsqrt",
+        "Softmax", "LogSoftmax", "Reciprocal", "Inv",
+    }
+)
+GRADIENT_READS_INPUTS_AND_OUTPUTS = frozenset(
+    {"MaxPool", "MaxPoolV2", "MaxPool3D", "FusedBatchNorm", "FusedBatchNormV2",
+     "FusedBatchNormV3", "SoftmaxCrossEntropyWithLogits",
+     "SparseSoftmaxCrossEntropyWithLogits", "Max", "Min", "Prod"}
+)
+
+
+def gradient_reads(op: tf.Operation) -> tuple:
+    """(inputs, outputs) of ``op`` that its gradient reads, by op type."""
+    if op.type in GRADIENT_READS_NOTHING:
+        return (), ()
+    if op.type in GRADIENT_READS_OUTPUTS:
+        return (), tuple(op.outputs)
+    if op.type in ("SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits"):
+        return (), (op.outputs[1],)
+    if op.type.startswith("FusedBatchNorm"):
+        return tuple(op.inputs[:2]), tuple(op.outputs[3:])
+    if op.type in GRADIENT_READS_INPUTS_AND_OUTPUTS:
+        return tuple(op.inputs), tuple(op.outputs)
+    return tuple(op.inputs), ()
+
+
 def is_differentiable(tensor: tf.Tensor) -> bool:
     """Float or complex tensors carry gradients; integers, bools, resources do not."""
     dtype = tensor.dtype.base_dtype
@@ -153,8 +193,10 @@ class Segment:
     ``targets`` are kept tensors produced by one op; ``ops`` (topological
     order) are the ops between them and the kept tensors they depend on;
     ``inputs`` are those kept tensors.  ``recompute`` is False when the
-    segment is a single op, which is then differentiated in place: its
-    region inputs are kept anyway, so a copy would only cost time.
+    segment is a single op whose gradient reads none of its outputs: it is
+    then differentiated in place, since its region inputs are kept anyway and
+    a copy would only cost time.  (An op whose gradient reads its outputs is
+    recomputed, so that its kept output can be freed early.)
     """
 
     targets: tuple
@@ -184,7 +226,8 @@ def segment_for(
         targets=tuple(targets),
         ops=ops,
         inputs=tuple(sorted(inputs.values(), key=tensor_order)),
-        recompute=is_recomputable(root) and len(ops) > 1,
+        recompute=is_recomputable(root)
+        and (len(ops) > 1 or bool(gradient_reads(root)[1])),
     )
 
 
