@@ -122,8 +122,15 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None):
     if memory_budget is not None:
         raise ValueError("memory_budget is only used with a strategy, e.g. checkpoints='memory'.")
     given = _checkpoint_list(checkpoints)
-    _check_same_graph(given, graph, "checkpoints")
-    usable = usable_checkpoints(given, ys, xs, region)
+    nested = [t for t in given if graph_lib.in_function_body_of(t, graph)]
+    if nested:
+        logger.warning(
+            "Ignoring %d checkpoint(s) inside the body of a tf.while_loop, tf.cond or "
+            "function (%s): such constructs are kept whole, never split.",
+            len(nested), [t.name for t in nested][:5],
+        )
+    _check_same_graph([t for t in given if t not in nested], graph, "checkpoints")
+    usable = usable_checkpoints([t for t in given if t not in nested], ys, xs, region)
     if not usable:
         raise ValueError(
             f"None of the {len(given)} checkpoints can be used: a checkpoint must be "
@@ -168,36 +175,68 @@ def _backprop(
         contributions.setdefault(y.ref(), []).append(g)
 
     stop_ops = {t.op for t in stops}
-    groups = sorted({t.op for t in kept.values() if t.op in region}, key=graph_lib.op_order, reverse=True)
+    # A v1 while_loop/cond is one group (its last op stands for it), kept and
+    # differentiated whole: its inner tensors are never targets.
+    constructs = graph_lib.control_flow_constructs(region)
+    groups = sorted(
+        {constructs[t.op][-1] if t.op in constructs else t.op for t in kept.values() if t.op in region},
+        key=graph_lib.op_order, reverse=True,
+    )
     for index, op in enumerate(groups):
-        targets = [t for t in op.outputs if t.ref() in kept and contributions.get(t.ref())]
+        members = constructs.get(op, (op,))
+        targets = [
+            t for member in members for t in member.outputs
+            if t.ref() in kept and contributions.get(t.ref())
+        ]
         if not targets or op in stop_ops:
             continue
         target_grads = [total(t) for t in targets]
-        segment = graph_lib.segment_for(targets, region, kept)
+        if op in constructs:
+            segment = graph_lib.construct_segment(members, targets, kept)
+        else:
+            segment = graph_lib.segment_for(targets, region, kept)
         waits = [t.op for t in targets] + [
             part.op for g in target_grads for part in rewrite.tensors_of(g)
         ]
         if segment.recompute:
-            copies = rewrite.copy_ops(segment.ops, {}, waits, f"recompute_{index}")
-            segment_ys = [copies[t.ref()] for t in targets]
-            segment_stops = [copies.get(s.ref(), s) for s in stops]
+            differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
+            inputs = rewrite.proxies(differentiable, f"recompute_{index}/inputs")
+            copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")
+            input_grads = tf_gradients(
+                [copies[t.ref()] for t in targets],
+                list(inputs.values()),
+                grad_ys=target_grads,
+                name=f"backprop_{index}",
+                colocate_gradients_with_ops=colocate_gradients_with_ops,
+                gate_gradients=gate_gradients,
+                aggregation_method=aggregation_method,
+                stop_gradients=list(inputs.values()) + [copies.get(s.ref(), s) for s in stops],
+            )
+            segment_inputs = differentiable
+        elif graph_lib.is_differentiable_in_place(op):
+            with tf.name_scope(f"backprop_{index}"):
+                by_output = {t.ref(): g for t, g in zip(targets, target_grads)}
+                input_grads = rewrite.op_gradients(
+                    op, [by_output.get(t.ref()) for t in op.outputs],
+                    gate_gradients, colocate_gradients_with_ops,
+                )
+            segment_inputs = list(op.inputs)
         else:
-            segment_ys, segment_stops = targets, list(stops)
-        if not segment.inputs:
-            continue
-        input_grads = tf_gradients(
-            segment_ys,
-            list(segment.inputs),
-            grad_ys=target_grads,
-            name=f"backprop_{index}",
-            colocate_gradients_with_ops=colocate_gradients_with_ops,
-            gate_gradients=gate_gradients,
-            aggregation_method=aggregation_method,
-            stop_gradients=list(segment.inputs) + segment_stops,
-        )
-        for t, g in zip(segment.inputs, input_grads):
-            if g is not None:
+            segment_inputs = list(segment.inputs)
+            if not segment_inputs:
+                continue
+            input_grads = tf_gradients(
+                targets,
+                segment_inputs,
+                grad_ys=target_grads,
+                name=f"backprop_{index}",
+                colocate_gradients_with_ops=colocate_gradients_with_ops,
+                gate_gradients=gate_gradients,
+                aggregation_method=aggregation_method,
+                stop_gradients=segment_inputs + list(stops),
+            )
+        for t, g in zip(segment_inputs, input_grads):
+            if g is not None and t.ref() in kept:
                 if t.ref() in totals:
                     raise AssertionError(f"gradient of {t.name} was summed before it was complete")
                 contributions.setdefault(t.ref(), []).append(g)

@@ -108,6 +108,18 @@ def gradient_reads(op: tf.Operation) -> tuple:
     return tuple(op.inputs), ()
 
 
+def is_differentiable_in_place(op: tf.Operation) -> bool:
+    """Whether ``op``'s registered gradient can be called on its own, outside ``tf.gradients``.
+
+    Control flow and function calls need ``tf.gradients``' own machinery.
+    """
+    return (
+        op.type not in CONTROL_FLOW_OP_TYPES
+        and op._control_flow_context is None  # pylint: disable=protected-access
+        and not op.graph._is_function(op.type)  # pylint: disable=protected-access
+    )
+
+
 def is_differentiable(tensor: tf.Tensor) -> bool:
     """Float or complex tensors carry gradients; integers, bools, resources do not."""
     dtype = tensor.dtype.base_dtype
@@ -231,6 +243,117 @@ def segment_for(
     )
 
 
+def in_function_body_of(tensor: tf.Tensor, graph: tf.Graph) -> bool:
+    """Whether ``tensor`` lives in a function graph nested in ``graph``.
+
+    E.g. a tensor of the body of a v2 ``tf.while_loop`` or a ``tf.cond``
+    branch built in ``graph``: those are ``FuncGraph`` s whose ``outer_graph``
+    chain leads to ``graph``.
+    """
+    inner = getattr(tensor, "graph", None)
+    if inner is None or inner is graph:
+        return False
+    inner = getattr(inner, "outer_graph", None)
+    while inner is not None:
+        if inner is graph:
+            return True
+        inner = getattr(inner, "outer_graph", None)
+    return False
+
+
+V1_CONTROL_FLOW_OP_TYPES = frozenset(
+    {
+        "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
+        "RefExit", "NextIteration", "RefNextIteration", "LoopCond",
+    }
+)
+
+
+def _root_context(op: tf.Operation):
+    context = op._control_flow_context  # pylint: disable=protected-access
+    while context is not None and context.outer_context is not None:
+        context = context.outer_context
+    return context
+
+
+def control_flow_constructs(region: ForwardRegion) -> dict:
+    """The v1 ``tf.while_loop``/``tf.cond`` constructs of the region: ``{op: construct}``.
+
+    A construct is the tuple (topological order) of the region's ops of one
+    outermost v1 loop or conditional: the ops in its control-flow contexts
+    (nested ones included), and the context-free ``Merge``s that join a
+    cond's branches and ``Switch``es that feed them.  Such ops are
+    differentiated together, by one ``tf.gradients`` call from the
+    construct's outputs to its inputs, since TensorFlow's v1 gradient of a
+    loop or cond needs them all.  Its last op (an ``Exit`` or ``Merge``) was
+    created after all the others, so ops that consume its outputs come later
+    in the topological order.  Ops outside v1 control flow are absent.
+    """
+    parent: dict = {}
+
+    def find(key):
+        while parent.setdefault(key, key) is not key:
+            parent[key] = parent[parent[key]]
+            key = parent[key]
+        return key
+
+    def union(a, b):
+        parent[find(a)] = find(b)
+
+    members = []
+    for op in region.order:
+        root = _root_context(op)
+        if root is not None:
+            union(op, root)
+            members.append(op)
+        elif op.type in ("Merge", "RefMerge"):
+            # A cond's Merge joins its branches (its inputs' contexts).
+            joined = [_root_context(t.op) for t in op.inputs]
+            for context in joined:
+                if context is not None:
+                    union(op, context)
+            if any(c is not None for c in joined):
+                members.append(op)
+        elif op.type in ("Switch", "RefSwitch"):
+            # A cond's predicate Switch feeds its branches (its consumers' contexts).
+            joined = [_root_context(c) for t in op.outputs for c in t.consumers()]
+            for context in joined:
+                if context is not None:
+                    union(op, context)
+            if any(c is not None for c in joined):
+                members.append(op)
+    groups: dict = {}
+    for op in members:
+        groups.setdefault(find(op), []).append(op)
+    constructs: dict = {}
+    for ops in groups.values():
+        ops = tuple(sorted(ops, key=op_order))
+        for op in ops:
+            constructs[op] = ops
+    return constructs
+
+
+def construct_segment(
+    construct: Sequence[tf.Operation], targets: Sequence[tf.Tensor], kept: dict
+) -> Segment:
+    """A v1 control-flow construct as one segment, differentiated in place.
+
+    ``inputs`` are the kept tensors its ops consume from outside it.
+    """
+    members = set(construct)
+    inputs: dict = {}
+    for op in construct:
+        for t in op.inputs:
+            if t.op not in members and t.ref() in kept:
+                inputs.setdefault(t.ref(), t)
+    return Segment(
+        targets=tuple(targets),
+        ops=tuple(construct),
+        inputs=tuple(sorted(inputs.values(), key=tensor_order)),
+        recompute=False,
+    )
+
+
 def tensor_bytes(tensor: tf.Tensor, unknown_dim: int = 1) -> int:
     """Static size of a tensor in bytes; unknown dims count as ``unknown_dim``."""
     shape = tensor.shape
@@ -243,3 +366,98 @@ def tensor_bytes(tensor: tf.Tensor, unknown_dim: int = 1) -> int:
         return count * tensor.dtype.size
     except TypeError:  # string/variant/resource
         return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Cuts:
+    """Where the forward pass can be cut, along the region's topological order.
+
+    After the op at ``positions[i]`` runs, the tensors ``tensors[i]`` are the
+    ones still waiting for a later consumer: keeping them separates everything
+    before from everything after.  ``output_bytes[p]`` and ``flops[p]`` are
+    prefix sums over the ops at positions <= p (what a segment allocates and
+    computes), ``largest[p]`` the size of the op's largest output.
+    """
+
+    positions: tuple
+    tensors: tuple
+    new_bytes: tuple      # per cut: [(start position, bytes)] of its tensors, sorted by start
+    output_bytes: tuple
+    flops: tuple
+    largest: tuple
+
+
+def live_cuts(region: ForwardRegion, size, flops, alias_types=frozenset(),
+              max_cuts: int = 400) -> Cuts:
+    """The cuts of the region, in one sweep over its ops (linear in ops + edges).
+
+    Consecutive positions with the same live set give one cut; when there are
+    more than ``max_cuts``, the cheapest cut of each of ``max_cuts`` equal
+    stretches of the order is kept.  ``size(t)`` and ``flops(op)`` give bytes
+    and work; outputs of ``alias_types`` ops share their input's buffer and
+    cost nothing of their own.
+    """
+    order = region.order
+    position = {op: i for i, op in enumerate(order)}
+    end_of: dict = {}
+    own_bytes: dict = {}
+    for op in reversed(order):
+        for t in op.outputs:
+            ends = [position[c] for c in t.consumers() if c in position]
+            end = max(ends, default=position[op])
+            end = max(end, end_of.get(t.ref(), end))
+            end_of[t.ref()] = end
+            if op.type in alias_types and op.inputs and op.inputs[0].op in position:
+                source = op.inputs[0].ref()
+                end_of[source] = max(end_of.get(source, 0), end)
+    output_prefix, flop_prefix, largest = [], [], []
+    total_bytes = total_flops = 0
+    starts: dict = {}
+    for i, op in enumerate(order):
+        own = 0
+        big = 0
+        for t in op.outputs:
+            nbytes = 0 if op.type in alias_types else size(t)
+            own_bytes[t.ref()] = nbytes
+            own += nbytes
+            big = max(big, nbytes)
+            if end_of[t.ref()] > i:
+                starts.setdefault(i, []).append(t)
+        total_bytes += own
+        total_flops += flops(op)
+        output_prefix.append(total_bytes)
+        flop_prefix.append(total_flops)
+        largest.append(big)
+    # Sweep: live set after each position; a cut where the set changes next.
+    ending: dict = {}
+    for i, ts in starts.items():
+        for t in ts:
+            ending.setdefault(end_of[t.ref()], []).append(t)
+    live: dict = {}
+    live_bytes = 0
+    raw = []
+    for i in range(len(order) - 1):
+        for t in ending.get(i, ()):
+            live_bytes -= own_bytes[t.ref()]
+            live.pop(t.ref(), None)
+        for t in starts.get(i, ()):
+            live[t.ref()] = t
+            live_bytes += own_bytes[t.ref()]
+        changes_next = (i + 1) in ending or (i + 1) in starts
+        if changes_next and live:
+            raw.append((i, live_bytes, tuple(live.values())))
+    if len(raw) > max_cuts:
+        chosen = []
+        stretch = len(raw) / max_cuts
+        for b in range(max_cuts):
+            lo, hi = int(b * stretch), int((b + 1) * stretch)
+            if hi > lo:
+                chosen.append(min(raw[lo:hi], key=lambda r: (r[1], -r[0])))
+        raw = chosen
+    positions = tuple(r[0] for r in raw)
+    tensors = tuple(tuple(sorted(r[2], key=tensor_order)) for r in raw)
+    new_bytes = tuple(
+        tuple(sorted((position[t.op], own_bytes[t.ref()]) for t in ts)) for ts in tensors
+    )
+    return Cuts(positions, tensors, new_bytes, tuple(output_prefix), tuple(flop_prefix),
+                tuple(largest))

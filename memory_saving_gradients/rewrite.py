@@ -150,3 +150,64 @@ def _unique_ops(ops: Iterable[tf.Operation]) -> list:
 def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:
     """What ``tf.gradients`` returns for an unconnected ``x`` with ``unconnected_gradients='zero'``."""
     return _gradients_util._ZerosLike(x)  # pylint: disable=protected-access
+
+
+def proxies(tensors: Sequence[tf.Tensor], name_scope: str) -> dict:
+    """An identity of each tensor, keyed by the original's ``ref()``.
+
+    Copies read the kept tensors through these, so that differentiating the
+    copies with respect to them walks only the copies, never the rest of the
+    original graph (which would make every segment cost the whole graph).
+    """
+    if not tensors:
+        return {}
+    with clean_scope(tensors[0].graph, name_scope):
+        return {t.ref(): tf.identity(t) for t in tensors}
+
+
+def op_gradients(
+    op: tf.Operation,
+    output_grads: Sequence,
+    gate_gradients: bool = False,
+    colocate_gradients_with_ops: bool = False,
+) -> list:
+    """One step of ``tf.gradients``: the gradients of ``op``'s inputs, in place.
+
+    ``output_grads`` has one entry per output (None where no gradient flows:
+    zeros are used, as ``tf.gradients`` does).  Raises LookupError, naming
+    the op, when its type has no registered gradient.
+    """
+    from tensorflow.python.eager import backprop_util as _backprop_util
+    from tensorflow.python.ops import control_flow_ops as _control_flow_ops
+    from tensorflow.python.ops import control_flow_state as _control_flow_state
+    from tensorflow.python.ops import default_gradient as _default_gradient
+
+    try:
+        grad_fn = _ops.get_gradient_function(op)
+    except LookupError:
+        raise LookupError(
+            f"No gradient defined for operation '{op.name}' (op type: {op.type})."
+        ) from None
+    if grad_fn is None:
+        return [None] * len(op.inputs)
+    grads = list(output_grads)
+    for i, g in enumerate(grads):
+        output = op.outputs[i]
+        if g is None and _backprop_util.IsTrainable(output) and (
+            _default_gradient.supports_default_grad(output)
+        ):
+            grads[i] = _control_flow_state.ZerosLike(op, i)
+    graph = op.graph
+    uid = graph.unique_name("uid")
+    colocation = (
+        _ops._colocate_with_for_gradient(op, uid)  # pylint: disable=protected-access
+        if colocate_gradients_with_ops
+        else contextlib.nullcontext()
+    )
+    with colocation, _ops.name_scope(op.name + "_grad"), graph._original_op(op):  # pylint: disable=protected-access
+        in_grads = grad_fn(op, *grads)
+    in_grads = list(in_grads) if isinstance(in_grads, (list, tuple)) else [in_grads]
+    if gate_gradients and len([g for g in in_grads if g is not None]) > 1:
+        with _ops.device(None):
+            in_grads = _control_flow_ops.tuple(in_grads)
+    return in_grads

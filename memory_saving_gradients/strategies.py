@@ -9,9 +9,13 @@ with :func:`register`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 from ._tensorflow import tf
+from . import budget as budget_lib
+from . import graph as graph_lib
+from . import simulate
 from .graph import ForwardRegion
 
 Strategy = Callable[..., list]
@@ -53,3 +57,87 @@ def collection(
     """The tensors in the graph collection ``'checkpoints'``."""
     graph = ys[0].graph
     return [t for t in graph.get_collection(COLLECTION_NAME) if isinstance(t, tf.Tensor)]
+
+
+# Op types whose outputs 'speed' keeps: the expensive ones to recompute.
+EXPENSIVE_OP_TYPES = frozenset(
+    {
+        "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
+        "Conv3DBackpropInputV2", "_FusedConv2D", "MatMul", "_FusedMatMul",
+        "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
+    }
+)
+
+
+@register("speed")
+def speed(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegion, **_) -> list:
+    """Outputs of convolutions and matrix products: recompute only the cheap ops."""
+    return [
+        op.outputs[0] for op in region.order if op.type in EXPENSIVE_OP_TYPES and op.outputs
+    ]
+
+
+@register("memory")
+def memory(
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    region: ForwardRegion,
+    memory_budget: float | None = None,
+    **_,
+) -> list:
+    """Bottleneck cuts spaced by bytes, chosen by :mod:`.budget`.
+
+    Without a budget: the least peak the memory model can reach (plus 10%
+    for less recomputation).  With ``memory_budget`` (bytes): the least
+    recomputation whose predicted peak fits it; ValueError if none does.
+    """
+    return memory_plan(ys, xs, region, memory_budget).checkpoints
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    checkpoints: list
+    predicted_peak_bytes: int
+
+
+def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> MemoryPlan:
+    """The 'memory' strategy's choice, with the peak the memory model predicts for it."""
+    size = simulate.Sizer(unknown_dim)
+    cuts = graph_lib.live_cuts(region, size, simulate.op_flops, simulate.ALIAS_OP_TYPES)
+    if not cuts.positions:
+        return MemoryPlan([], 0)
+    fixed = sum(graph_lib.tensor_bytes(x, unknown_dim) for x in xs if graph_lib.is_differentiable(x))
+    problem = budget_lib.CutProblem(cuts, fixed)
+    total = cuts.output_bytes[-1] + fixed + 1
+    floor = budget_lib.smallest_budget(problem, upper=2.0 * total)
+
+    def predict(chosen):
+        tensors = [t for i in chosen for t in cuts.tensors[i - 1]]
+        return tensors, simulate.predict_checkpointed(region, ys, xs, tensors, unknown_dim).peak_bytes
+
+    if memory_budget is None:
+        solution = budget_lib.least_recompute(problem, 1.1 * floor)
+        tensors, peak = predict(solution[0])
+        return MemoryPlan(tensors, peak)
+    target = float(memory_budget)
+    best = None
+    for _ in range(6):
+        if target < floor:
+            break
+        solution = budget_lib.least_recompute(problem, target)
+        if solution is None:
+            break
+        tensors, peak = predict(solution[0])
+        if best is None or peak < best[1]:
+            best = (tensors, peak)
+        if peak <= memory_budget:
+            return MemoryPlan(tensors, peak)
+        target *= 0.97 * memory_budget / peak
+    smallest = predict(budget_lib.least_recompute(problem, floor)[0])[1]
+    if best is not None:
+        smallest = min(smallest, best[1])
+    raise ValueError(
+        f"memory_budget={memory_budget / 2**20:.1f} MB cannot be met: the smallest peak "
+        f"the memory model finds for this graph is {smallest / 2**20:.1f} MB "
+        f"({smallest} bytes). Raise the budget, or reduce the batch size."
+    )

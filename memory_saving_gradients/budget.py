@@ -1,0 +1,176 @@
+"""Choosing cuts under a memory budget: dynamic programming along the cuts.
+
+The forward pass is cut at some of the candidate cuts of :func:`graph.live_cuts`;
+what lies between two chosen cuts is a segment.  When the backward pass
+reaches a segment, memory holds the tensors of every chosen cut before it
+(``kept``), plus what recomputing and differentiating the segment allocates
+(``work``: its ops' outputs, and gradients of the size of its largest
+tensor).  A segment of a single op is differentiated in place and costs no
+recomputation; any longer one costs its forward work again.
+
+:func:`least_recompute` finds the chosen cuts with the least recomputation
+whose every segment fits ``budget`` (in the spirit of Chen et al. 2016 and
+of optimal chain schedules, e.g. Rotor); ``kept`` is a dimension of the
+table, quantised into ``levels`` steps, rounding up so that the model never
+under-counts.  :func:`smallest_budget` searches the least budget that is
+feasible.  Pure functions of numbers: no TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class CutProblem:
+    """The numbers the dynamic program needs, built once from ``graph.Cuts``.
+
+    Candidate 0 is the start of the pass (nothing kept), candidate ``n + 1``
+    its end; 1..n are the cuts.  Everything is a numpy array, so that one
+    step of the program handles all predecessors of a cut at once.
+    """
+
+    def __init__(self, cuts, fixed_bytes: int = 0):
+        last = len(cuts.output_bytes) - 1
+        self.positions = np.array([-1] + list(cuts.positions) + [last], dtype=np.int64)
+        # prefix sums shifted by one, so that index p + 1 covers positions <= p
+        self.output_bytes = np.concatenate([[0.0], np.asarray(cuts.output_bytes, float)])
+        self.flops = np.concatenate([[0.0], np.asarray(cuts.flops, float)])
+        self.fixed_bytes = float(fixed_bytes)
+        self.starts = [np.zeros(0)] + [
+            np.array([s for s, _ in nb], dtype=np.int64) for nb in cuts.new_bytes
+        ] + [np.zeros(0)]
+        self.suffix = [np.zeros(1)]
+        for nb in cuts.new_bytes:
+            sizes = np.array([size for _, size in nb], dtype=float)
+            self.suffix.append(np.concatenate([np.cumsum(sizes[::-1])[::-1], [0.0]]))
+        self.suffix.append(np.zeros(1))
+        self._range_max = _RangeMax(np.asarray(cuts.largest, dtype=float))
+
+    def __len__(self):
+        return len(self.positions)
+
+    def work(self, a: np.ndarray, b: int) -> np.ndarray:
+        """Bytes allocated while segments (a, b] are recomputed and differentiated."""
+        pa, pb = self.positions[a], self.positions[b]
+        outputs = self.output_bytes[pb + 1] - self.output_bytes[pa + 1]
+        return outputs + 2 * self._range_max(pa + 1, pb) + self.fixed_bytes
+
+    def new_kept(self, a: np.ndarray, b: int) -> np.ndarray:
+        """Bytes of cut b not already kept by cuts a (live ranges are intervals)."""
+        k = np.searchsorted(self.starts[b], self.positions[a], side="right")
+        return self.suffix[b][k]
+
+    def cost(self, a: np.ndarray, b: int) -> np.ndarray:
+        pa, pb = self.positions[a], self.positions[b]
+        flops = self.flops[pb + 1] - self.flops[pa + 1]
+        return np.where(pb - pa <= 1, 0.0, flops)
+
+    def first_within(self, b: int, limit: float) -> int:
+        """The first candidate a whose segment (a, b] allocates less than ``limit``."""
+        pb = self.positions[b]
+        need = self.output_bytes[pb + 1] - (limit - self.fixed_bytes)
+        # output_bytes[pa + 1] must exceed need
+        p = int(np.searchsorted(self.output_bytes, need, side="right")) - 1
+        return int(np.searchsorted(self.positions, p - 1, side="left"))
+
+
+class _RangeMax:
+    """Maximum of ``values[lo..hi]`` (inclusive) in O(1) per query, vectorised."""
+
+    def __init__(self, values: np.ndarray):
+        self.table = [values]
+        width = 1
+        while 2 * width <= len(values):
+            prev = self.table[-1]
+            self.table.append(np.maximum(prev[:-width], prev[width:]))
+            width *= 2
+
+    def __call__(self, lo: np.ndarray, hi) -> np.ndarray:
+        lo = np.asarray(lo)
+        hi = np.broadcast_to(np.asarray(hi), lo.shape)
+        length = np.maximum(hi - lo + 1, 1)
+        level = np.floor(np.log2(length)).astype(np.int64)
+        out = np.zeros(lo.shape)
+        for lvl in np.unique(level):
+            mask = level == lvl
+            row = self.table[lvl]
+            l, h = lo[mask], hi[mask]
+            valid = h >= l
+            res = np.zeros(l.shape)
+            lv, hv = l[valid], h[valid]
+            res[valid] = np.maximum(row[lv], row[hv - (1 << lvl) + 1])
+            out[mask] = res
+        return out
+
+
+def least_recompute(problem: CutProblem, budget: float, levels: int = 160):
+    """Indices of the chosen cuts (1..n) with least recomputation within ``budget``.
+
+    Returns ``(cuts, recompute_flops)``, or None when no choice fits.
+    """
+    n = len(problem)
+    if budget <= problem.fixed_bytes:
+        return None
+    quantum = budget / levels
+    width = levels + 1
+    best = np.full((n, width), np.inf)
+    best[0, 0] = 0.0
+    from_cut = np.full((n, width), -1, dtype=np.int64)
+    from_level = np.full((n, width), -1, dtype=np.int64)
+    level_index = np.arange(width)
+    for b in range(1, n):
+        lo = problem.first_within(b, budget)
+        preds = np.arange(max(lo, 0), b)
+        if preds.size == 0:
+            continue
+        work = problem.work(preds, b)
+        ok = work < budget
+        preds, work = preds[ok], work[ok]
+        if preds.size == 0:
+            continue
+        room = np.minimum(np.floor((budget - work) / quantum), levels).astype(np.int64)
+        if b == n - 1:
+            shift = np.zeros(preds.shape, dtype=np.int64)
+        else:
+            shift = np.ceil(problem.new_kept(preds, b) / quantum).astype(np.int64)
+        cost = problem.cost(preds, b)
+        # candidate[a, k]: reach level k at b from level k - shift[a] at a
+        source = level_index[None, :] - shift[:, None]
+        valid = (source >= 0) & (source <= room[:, None])
+        values = np.where(
+            valid, best[preds[:, None], np.clip(source, 0, levels)] + cost[:, None], np.inf
+        )
+        choice = np.argmin(values, axis=0)
+        best[b] = values[choice, level_index]
+        from_cut[b] = preds[choice]
+        from_level[b] = np.clip(source[choice, level_index], 0, levels)
+    if not np.isfinite(best[n - 1]).any():
+        return None
+    level = int(np.argmin(best[n - 1]))
+    total = float(best[n - 1, level])
+    chosen = []
+    b = n - 1
+    while b > 0:
+        a = int(from_cut[b, level])
+        level = int(from_level[b, level])
+        if a > 0:
+            chosen.append(a)
+        b = a
+    return sorted(chosen), total
+
+
+def smallest_budget(problem: CutProblem, upper: float, tolerance: float = 0.02,
+                    levels: int = 160) -> float:
+    """The least budget (within ``tolerance``) for which a choice of cuts exists."""
+    lower = float(problem.fixed_bytes)
+    if least_recompute(problem, upper, levels) is None:
+        return math.inf
+    while upper - lower > tolerance * upper:
+        middle = (lower + upper) / 2
+        if least_recompute(problem, middle, levels) is None:
+            lower = middle
+        else:
+            upper = middle
+    return upper

@@ -1,0 +1,275 @@
+"""Static memory model: the predicted peak of a backward pass, before anything runs.
+
+The model replays the step as TensorFlow's executor would run it one op at a
+time: the forward pass in topological order, then (plain ``tf.gradients``)
+every op's gradient in reverse order, or (checkpointed) each segment's
+recomputation followed by its gradients.  Every tensor is a buffer that lives
+from the step that makes it to the last step that reads it; what gradients
+read of the forward pass comes from :func:`graph.gradient_reads`.  Ops that
+only forward their input's buffer (reshapes, identities, variable reads)
+allocate nothing.  Tensors fed from outside the region (placeholders,
+constants) are not counted: TensorFlow does not allocate them in the step.
+
+Sizes come from static shapes; an unknown dimension counts as
+``unknown_dim`` and the prediction lists it among its assumptions.
+Workspace memory of kernels (e.g. convolution scratch) and the parallelism
+of the executor are not modelled; the slack this leaves is measured in the
+tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from ._tensorflow import tf
+from . import graph as graph_lib
+
+ALIAS_OP_TYPES = frozenset(
+    {
+        "Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
+        "ReadVariableOp", "Snapshot", "EnsureShape", "PreventGradient",
+    }
+)
+
+_END = float("inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """A predicted peak, in bytes, and what it assumed."""
+
+    peak_bytes: int
+    recompute_flops: float
+    forward_flops: float
+    assumptions: tuple = ()
+
+    @property
+    def recompute_cost(self) -> float:
+        """Extra forward work, as a fraction of one forward pass."""
+        return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+
+
+class Sizer:
+    """Tensor sizes in bytes, remembering which dimensions it had to assume."""
+
+    def __init__(self, unknown_dim: int = 1):
+        self.unknown_dim = unknown_dim
+        self.assumed: set = set()
+
+    def __call__(self, tensor: tf.Tensor) -> int:
+        shape = tensor.shape
+        if shape.rank is None or any(d is None for d in shape.as_list()):
+            self.assumed.add(tensor.name)
+        return graph_lib.tensor_bytes(tensor, self.unknown_dim)
+
+    def assumptions(self) -> tuple:
+        if not self.assumed:
+            return ()
+        names = sorted(self.assumed)
+        return (
+            f"{len(names)} tensors have unknown dimensions, counted as "
+            f"{self.unknown_dim} (e.g. {', '.join(names[:3])})",
+        )
+
+
+def op_flops(op: tf.Operation) -> float:
+    """Rough floating-point work of one op, from static shapes."""
+
+    def elements(t):
+        dims = t.shape.as_list() if t.shape.rank is not None else []
+        n = 1
+        for d in dims:
+            n *= d or 1
+        return n
+
+    out = elements(op.outputs[0]) if op.outputs else 0
+    if op.type in ("Conv2D", "Conv3D", "DepthwiseConv2dNative", "_FusedConv2D",
+                   "Conv2DBackpropInput"):
+        filt = op.inputs[1].shape.as_list() if op.inputs[1].shape.rank else []
+        per_out = 1
+        for d in filt[:-1] if op.type != "DepthwiseConv2dNative" else filt[:-2]:
+            per_out *= d or 1
+        return 2.0 * out * per_out
+    if op.type in ("MatMul", "_FusedMatMul", "BatchMatMul", "BatchMatMulV2",
+                   "BatchMatMulV3", "Einsum"):
+        first = op.inputs[0].shape.as_list() if op.inputs[0].shape.rank else [1]
+        inner = first[-1] or 1
+        if op.type in ("MatMul", "_FusedMatMul") and op.get_attr("transpose_a"):
+            inner = first[0] or 1
+        return 2.0 * out * inner
+    return float(out)
+
+
+class _Timeline:
+    """Buffers with [start, end] steps; the peak is a sweep over them."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+        self.alias: dict = {}
+
+    def alloc(self, key, size: int, step: float) -> None:
+        self.buffers[key] = [step, step, size]
+        self.alias[key] = key
+
+    def alias_of(self, key, source) -> None:
+        root = self.alias.get(source)
+        if root is not None:
+            self.alias[key] = root
+
+    def use(self, key, step: float) -> None:
+        root = self.alias.get(key)
+        if root is not None and self.buffers[root][1] < step:
+            self.buffers[root][1] = step
+
+    def peak(self, end_step: float) -> int:
+        events = []
+        for start, end, size in self.buffers.values():
+            if size:
+                events.append((start, size))
+                events.append(((end_step if end == _END else end) + 0.5, -size))
+        events.sort()
+        running = peak = 0
+        for _, delta in events:
+            running += delta
+            peak = max(peak, running)
+        return peak
+
+
+def _gradient_size(tensor: tf.Tensor, consumer: tf.Operation, size) -> int:
+    if graph_lib.is_differentiable(tensor):
+        return size(tensor)
+    if tensor.dtype == tf.resource and consumer.outputs:
+        return size(consumer.outputs[0])
+    return 0
+
+
+def _carries_gradient(tensor: tf.Tensor) -> bool:
+    return graph_lib.is_differentiable(tensor) or tensor.dtype == tf.resource
+
+
+def _forward(timeline: _Timeline, region, size) -> int:
+    for step, op in enumerate(region.order):
+        for t in op.inputs:
+            timeline.use(t.ref(), step)
+        for t in op.outputs:
+            if op.type in ALIAS_OP_TYPES and op.inputs:
+                timeline.alias_of(t.ref(), op.inputs[0].ref())
+                if t.ref() not in timeline.alias:
+                    timeline.alloc(t.ref(), 0, step)
+            else:
+                timeline.alloc(t.ref(), size(t), step)
+    return len(region.order)
+
+
+class _Gradients:
+    """Gradient contributions waiting for the backward step of their tensor's producer."""
+
+    def __init__(self, timeline: _Timeline):
+        self.timeline = timeline
+        self.pending: dict = {}
+        self.count = 0
+
+    def add(self, tensor: tf.Tensor, size: int, step: float) -> None:
+        key = ("grad", self.count)
+        self.count += 1
+        self.timeline.alloc(key, size, step)
+        self.pending.setdefault(tensor.ref(), []).append(key)
+
+    def has(self, tensor: tf.Tensor) -> bool:
+        return tensor.ref() in self.pending
+
+    def consume(self, tensors, step: float) -> None:
+        for t in tensors:
+            for key in self.pending.pop(t.ref(), []):
+                self.timeline.buffers[key][1] = step
+
+    def finish(self) -> None:
+        for keys in self.pending.values():
+            for key in keys:
+                self.timeline.buffers[key][1] = _END
+
+
+def _backward_op(op, step, timeline, grads, region, xs_refs, size, rename=lambda k: k):
+    """One op's gradient: reads what it needs, consumes its outputs' gradients, emits its inputs'."""
+    reads_in, reads_out = graph_lib.gradient_reads(op)
+    for t in list(reads_in) + list(reads_out):
+        timeline.use(rename(t.ref()), step)
+    grads.consume(op.outputs, step)
+    for t in op.inputs:
+        if _carries_gradient(t) and (t.op in region or t.ref() in xs_refs):
+            grads.add(t, _gradient_size(t, op, size), step)
+
+
+def predict_baseline(
+    region, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], unknown_dim: int = 1
+) -> Prediction:
+    """Predicted peak of plain ``tf.gradients`` over the region."""
+    size = Sizer(unknown_dim)
+    timeline = _Timeline()
+    grads = _Gradients(timeline)
+    step = _forward(timeline, region, size)
+    xs_refs = {x.ref() for x in xs}
+    for y in ys:
+        grads.add(y, size(y), step)
+    for op in reversed(region.order):
+        step += 1
+        _backward_op(op, step, timeline, grads, region, xs_refs, size)
+    grads.finish()
+    forward_flops = sum(op_flops(op) for op in region.order)
+    return Prediction(timeline.peak(step + 1), 0.0, forward_flops, size.assumptions())
+
+
+def predict_checkpointed(
+    region,
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    checkpoints: Sequence[tf.Tensor],
+    unknown_dim: int = 1,
+) -> Prediction:
+    """Predicted peak of :func:`checkpointing.gradients` with these checkpoints."""
+    size = Sizer(unknown_dim)
+    timeline = _Timeline()
+    grads = _Gradients(timeline)
+    step = _forward(timeline, region, size)
+    xs_refs = {x.ref() for x in xs}
+    kept = graph_lib.boundary_tensors(region, ys, xs, checkpoints)
+    for y in ys:
+        grads.add(y, size(y), step)
+    groups = sorted(
+        {t.op for t in kept.values() if t.op in region}, key=graph_lib.op_order, reverse=True
+    )
+    recompute_flops = 0.0
+    for index, op in enumerate(groups):
+        targets = [t for t in op.outputs if t.ref() in kept and grads.has(t)]
+        if not targets:
+            continue
+        segment = graph_lib.segment_for(targets, region, kept)
+        inside = set(segment.ops) if segment.recompute else set()
+
+        def rename(ref, inside=inside, index=index):
+            tensor = ref.deref()
+            return (index, ref) if tensor.op in inside else ref
+
+        if segment.recompute:
+            for seg_op in segment.ops:
+                step += 1
+                recompute_flops += op_flops(seg_op)
+                for t in seg_op.inputs:
+                    timeline.use(rename(t.ref()), step)
+                for t in seg_op.outputs:
+                    key = (index, t.ref())
+                    if seg_op.type in ALIAS_OP_TYPES and seg_op.inputs:
+                        timeline.alias_of(key, rename(seg_op.inputs[0].ref()))
+                        if key not in timeline.alias:
+                            timeline.alloc(key, 0, step)
+                    else:
+                        timeline.alloc(key, size(t), step)
+        for seg_op in reversed(segment.ops):
+            step += 1
+            _backward_op(seg_op, step, timeline, grads, region, xs_refs, size, rename)
+    grads.finish()
+    forward_flops = sum(op_flops(op) for op in region.order)
+    return Prediction(
+        timeline.peak(step + 1), recompute_flops, forward_flops, size.assumptions()
+    )
