@@ -8,15 +8,33 @@ backward pass needs them.
 from __future__ import annotations
 
 from ._tensorflow import tf as _tf  # noqa: F401  (fails early, with advice, without TF)
-from .checkpointing import gradients, gradients_collection
+from .checkpointing import (
+    gradients,
+    gradients_collection,
+    gradients_memory,
+    gradients_speed,
+    plan,
+)
+from .planning import Plan
 from .profiling import peak_memory, peak_memory_by_device
 from .strategies import available as available_strategies
+from .patch import patch, patched
+from .tape import GradientTape
+from . import keras  # Keras 3 integration; imports Keras only when used
 
 __all__ = [
     "gradients",
     "gradients_collection",
+    "gradients_memory",
+    "gradients_speed",
+    "plan",
+    "Plan",
     "peak_memory",
     "peak_memory_by_device",
     "available_strategies",
+    "patch",
+    "patched",
+    "GradientTape",
+    "keras",
 ]
 __version__ = "0.1.0"

@@ -12,11 +12,14 @@ gradient, so recomputation happens just before it is needed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import numbers
 from typing import Sequence, Union
 
 from ._tensorflow import tf, tf_gradients
 from . import graph as graph_lib
+from . import planning
 from . import rewrite
 from . import strategies
 
@@ -74,29 +77,82 @@ def gradients(
         unconnected_gradients=unconnected_gradients,
     )
     unconnected = tf.UnconnectedGradients(unconnected_gradients)
-    ys_list = _tensor_list(ys, "ys")
-    xs_list = _as_list(xs)
-    graph = ys_list[0].graph
-    with graph.as_default():
-        xs_tensors = _x_tensors(xs_list, graph)
-        _check_same_graph(ys_list + xs_tensors, graph, "ys and xs")
+    problem = _prepare(ys, xs)
+    with problem.graph.as_default():
         stops = _tensor_list(stop_gradients, "stop_gradients") if stop_gradients is not None else []
-        grad_ys_list = _grad_ys_list(grad_ys, ys_list)
-        region = graph_lib.forward_region(ys_list, xs_tensors)
-        chosen = choose_checkpoints(checkpoints, ys_list, xs_tensors, region, graph, memory_budget)
+        grad_ys_list = _grad_ys_list(grad_ys, problem.ys)
+        chosen = choose_checkpoints(
+            checkpoints, problem.ys, problem.xs, problem.region, problem.graph, memory_budget
+        )
         if chosen is None:
             return tf_gradients(ys, xs, grad_ys, **options)
         logger.debug("checkpoints: %s", [t.name for t in chosen])
         with tf.name_scope(name or "gradients"):
             return _backprop(
-                ys_list, xs_tensors, grad_ys_list, region, chosen, stops, unconnected,
+                problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops, unconnected,
                 colocate_gradients_with_ops, gate_gradients, aggregation_method,
             )
+
+
+def plan(
+    ys: TensorOrList,
+    xs,
+    checkpoints: Checkpoints = "memory",
+    memory_budget: int | None = None,
+    grad_ys=None,
+) -> planning.Plan:
+    """What ``gradients(ys, xs, grad_ys, checkpoints, memory_budget=...)`` would do.
+
+    Returns a :class:`Plan` with the checkpoints and the memory model's
+    predicted peaks (with them, and for plain ``tf.gradients``) and the
+    recomputation they cost.  Builds nothing in the graph.  ``grad_ys`` does
+    not change the plan; it is accepted so that calls can mirror
+    ``gradients()``.
+    """
+    if tf.executing_eagerly():
+        raise RuntimeError("plan() works on graphs: call it inside a tf.function or a v1 graph.")
+    problem = _prepare(ys, xs)
+    _grad_ys_list(grad_ys, problem.ys)
+    with problem.graph.as_default():
+        chosen = choose_checkpoints(
+            checkpoints, problem.ys, problem.xs, problem.region, problem.graph, memory_budget
+        )
+    strategy = checkpoints if isinstance(checkpoints, str) else "list"
+    return planning.make_plan(problem.ys, problem.xs, problem.region, chosen or [], strategy)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Problem:
+    graph: tf.Graph
+    ys: list
+    xs: list
+    region: graph_lib.ForwardRegion
+
+
+def _prepare(ys, xs) -> _Problem:
+    """Checked ys and xs (as graph tensors) and the forward region between them."""
+    ys_list = _tensor_list(ys, "ys")
+    graph = ys_list[0].graph
+    with graph.as_default():
+        xs_tensors = _x_tensors(_as_list(xs), graph)
+        _check_same_graph(ys_list + xs_tensors, graph, "ys and xs")
+        region = graph_lib.forward_region(ys_list, xs_tensors)
+    return _Problem(graph, ys_list, xs_tensors, region)
 
 
 def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
     """``gradients`` with the tensors of the collection ``'checkpoints'``."""
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
+
+
+def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
+    """``gradients`` with ``checkpoints='memory'``: bottlenecks chosen for the least peak."""
+    return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
+
+
+def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
+    """``gradients`` with ``checkpoints='speed'``: keep convolution and matmul outputs."""
+    return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
 
 
 def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None):
@@ -106,6 +162,17 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None):
     nothing is an error; a strategy (or the collection) that finds nothing
     logs a warning and falls back.
     """
+    if memory_budget is not None:
+        if checkpoints != "memory":
+            raise ValueError(
+                f"memory_budget is used with checkpoints='memory', not {checkpoints!r}."
+            )
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real) or not (
+            memory_budget > 0
+        ):
+            raise ValueError(
+                f"memory_budget must be a positive number of bytes; got {memory_budget!r}."
+            )
     if isinstance(checkpoints, str):
         strategy = strategies.get(checkpoints)
         options = {} if memory_budget is None else {"memory_budget": memory_budget}
@@ -119,8 +186,6 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None):
             )
             return None
         return usable
-    if memory_budget is not None:
-        raise ValueError("memory_budget is only used with a strategy, e.g. checkpoints='memory'.")
     given = _checkpoint_list(checkpoints)
     nested = [t for t in given if graph_lib.in_function_body_of(t, graph)]
     if nested:
@@ -129,8 +194,9 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None):
             "function (%s): such constructs are kept whole, never split.",
             len(nested), [t.name for t in nested][:5],
         )
-    _check_same_graph([t for t in given if t not in nested], graph, "checkpoints")
-    usable = usable_checkpoints([t for t in given if t not in nested], ys, xs, region)
+    outer = [t for t in given if not graph_lib.in_function_body_of(t, graph)]
+    _check_same_graph(outer, graph, "checkpoints")
+    usable = usable_checkpoints(outer, ys, xs, region)
     if not usable:
         raise ValueError(
             f"None of the {len(given)} checkpoints can be used: a checkpoint must be "

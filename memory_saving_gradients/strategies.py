@@ -101,43 +101,52 @@ class MemoryPlan:
 
 
 def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> MemoryPlan:
-    """The 'memory' strategy's choice, with the peak the memory model predicts for it."""
+    """The 'memory' strategy's choice, with the peak the memory model predicts for it.
+
+    The dynamic program of :mod:`.budget` uses a coarse model of a segment's
+    memory; each plan it proposes is checked with the finer model of
+    :mod:`.simulate`, which has the last word.
+    """
     size = simulate.Sizer(unknown_dim)
     cuts = graph_lib.live_cuts(region, size, simulate.op_flops, simulate.ALIAS_OP_TYPES)
     if not cuts.positions:
         return MemoryPlan([], 0)
     fixed = sum(graph_lib.tensor_bytes(x, unknown_dim) for x in xs if graph_lib.is_differentiable(x))
     problem = budget_lib.CutProblem(cuts, fixed)
-    total = cuts.output_bytes[-1] + fixed + 1
-    floor = budget_lib.smallest_budget(problem, upper=2.0 * total)
+    floor = budget_lib.smallest_budget(problem, upper=2.0 * (cuts.output_bytes[-1] + fixed + 1))
 
-    def predict(chosen):
-        tensors = [t for i in chosen for t in cuts.tensors[i - 1]]
-        return tensors, simulate.predict_checkpointed(region, ys, xs, tensors, unknown_dim).peak_bytes
+    def proposal(model_budget):
+        solution = budget_lib.least_recompute(problem, model_budget)
+        if solution is None:
+            return None
+        tensors = [
+            t for i in solution[0] for t in cuts.tensors[i - 1] if graph_lib.is_recomputable(t.op)
+        ]
+        peak = simulate.predict_checkpointed(region, ys, xs, tensors, unknown_dim).peak_bytes
+        return peak, solution[1], tensors
 
+    near_floor = [p for p in (proposal(f * floor) for f in (1.0, 1.1, 1.25, 1.5)) if p]
+    lowest = min(p[0] for p in near_floor)
     if memory_budget is None:
-        solution = budget_lib.least_recompute(problem, 1.1 * floor)
-        tensors, peak = predict(solution[0])
+        peak, _, tensors = min(
+            (p for p in near_floor if p[0] <= 1.03 * lowest), key=lambda p: (p[1], p[0])
+        )
         return MemoryPlan(tensors, peak)
     target = float(memory_budget)
-    best = None
     for _ in range(6):
-        if target < floor:
+        found = proposal(target) if target >= floor else None
+        if found is None:
             break
-        solution = budget_lib.least_recompute(problem, target)
-        if solution is None:
-            break
-        tensors, peak = predict(solution[0])
-        if best is None or peak < best[1]:
-            best = (tensors, peak)
-        if peak <= memory_budget:
-            return MemoryPlan(tensors, peak)
-        target *= 0.97 * memory_budget / peak
-    smallest = predict(budget_lib.least_recompute(problem, floor)[0])[1]
-    if best is not None:
-        smallest = min(smallest, best[1])
+        lowest = min(lowest, found[0])
+        if found[0] <= memory_budget:
+            return MemoryPlan(found[2], found[0])
+        target *= 0.97 * memory_budget / found[0]
+    fitting = [p for p in near_floor if p[0] <= memory_budget]
+    if fitting:
+        peak, _, tensors = min(fitting, key=lambda p: (p[1], p[0]))
+        return MemoryPlan(tensors, peak)
     raise ValueError(
         f"memory_budget={memory_budget / 2**20:.1f} MB cannot be met: the smallest peak "
-        f"the memory model finds for this graph is {smallest / 2**20:.1f} MB "
-        f"({smallest} bytes). Raise the budget, or reduce the batch size."
+        f"the memory model finds for this graph is {lowest / 2**20:.1f} MB "
+        f"({lowest} bytes). Raise the budget, or reduce the batch size."
     )
