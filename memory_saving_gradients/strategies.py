@@ -113,7 +113,6 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
         return MemoryPlan([], 0)
     fixed = sum(graph_lib.tensor_bytes(x, unknown_dim) for x in xs if graph_lib.is_differentiable(x))
     problem = budget_lib.CutProblem(cuts, fixed)
-    floor = budget_lib.smallest_budget(problem, upper=2.0 * (cuts.output_bytes[-1] + fixed + 1))
 
     def proposal(model_budget):
         solution = budget_lib.least_recompute(problem, model_budget)
@@ -125,26 +124,33 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
         peak = simulate.predict_checkpointed(region, ys, xs, tensors, unknown_dim).peak_bytes
         return peak, solution[1], tensors
 
-    near_floor = [p for p in (proposal(f * floor) for f in (1.0, 1.1, 1.25, 1.5)) if p]
-    lowest = min(p[0] for p in near_floor)
+    def near_floor():
+        floor = budget_lib.smallest_budget(problem, upper=4.0 * (cuts.output_bytes[-1] + fixed + 1))
+        return [p for p in (proposal(f * floor) for f in (1.0, 1.1, 1.25, 1.5)) if p]
+
     if memory_budget is None:
+        proposals = near_floor()
+        if not proposals:
+            return MemoryPlan([], 0)
+        lowest = min(p[0] for p in proposals)
         peak, _, tensors = min(
-            (p for p in near_floor if p[0] <= 1.03 * lowest), key=lambda p: (p[1], p[0])
+            (p for p in proposals if p[0] <= 1.03 * lowest), key=lambda p: (p[1], p[0])
         )
         return MemoryPlan(tensors, peak)
     target = float(memory_budget)
-    for _ in range(6):
-        found = proposal(target) if target >= floor else None
+    for _ in range(5):
+        found = proposal(target)
         if found is None:
             break
-        lowest = min(lowest, found[0])
         if found[0] <= memory_budget:
             return MemoryPlan(found[2], found[0])
         target *= 0.97 * memory_budget / found[0]
-    fitting = [p for p in near_floor if p[0] <= memory_budget]
+    proposals = near_floor()
+    fitting = [p for p in proposals if p[0] <= memory_budget]
     if fitting:
         peak, _, tensors = min(fitting, key=lambda p: (p[1], p[0]))
         return MemoryPlan(tensors, peak)
+    lowest = min((p[0] for p in proposals), default=float("nan"))
     raise ValueError(
         f"memory_budget={memory_budget / 2**20:.1f} MB cannot be met: the smallest peak "
         f"the memory model finds for this graph is {lowest / 2**20:.1f} MB "
