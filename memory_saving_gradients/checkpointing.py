@@ -232,7 +232,9 @@ def _backprop(
         if key not in totals:
             parts = contributions.get(key)
             totals[key] = (
-                rewrite.sum_gradients(parts, t.op if colocate_gradients_with_ops else None)
+                rewrite.sum_gradients(
+                    parts, t.op if colocate_gradients_with_ops else None, aggregation_method
+                )
                 if parts else None
             )
         return totals[key]

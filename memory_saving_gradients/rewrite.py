@@ -100,12 +100,14 @@ def default_grad_ys(
 
 
 def sum_gradients(
-    grads: Sequence, colocate_with: tf.Operation | None = None
+    grads: Sequence, colocate_with: tf.Operation | None = None, aggregation_method=None
 ):
     """Sum gradient contributions like ``tf.gradients``: sparse stays sparse.
 
     If every contribution is an ``IndexedSlices`` the result is their
-    concatenation; otherwise all are made dense and added.
+    concatenation; otherwise all are made dense and added: by one ``AddN``,
+    or, for the tree ``aggregation_method``s, two at a time in the order
+    given (each contribution can be freed once added), as ``tf.gradients`` does.
     """
     if len(grads) == 1:
         return grads[0]
@@ -124,7 +126,16 @@ def sum_gradients(
                 tf.concat([g.indices for g in grads], axis=0),
                 dense_shape,
             )
-        return tf.math.add_n([tf.convert_to_tensor(g) for g in grads])
+        dense = [tf.convert_to_tensor(g) for g in grads]
+        if aggregation_method in (
+            tf.AggregationMethod.EXPERIMENTAL_TREE,
+            tf.AggregationMethod.EXPERIMENTAL_ACCUMULATE_N,
+        ):
+            running = dense[0]
+            for g in dense[1:]:
+                running = tf.math.add_n([running, g])
+            return running
+        return tf.math.add_n(dense)
 
 
 def tensors_of(gradient) -> list:

@@ -1,0 +1,133 @@
+"""Shared fixtures of the test suite.
+
+Graph tests run in a fresh ``tf.Graph`` (the ``graph`` fixture); eager
+execution stays on outside it, so ``tf.function`` tests work in the same
+process.  Sessions use the default ``ConfigProto`` (grappler on), as users run.
+
+Helpers are fixtures that return functions, so test modules need no imports
+from this file:
+
+- ``run_both(fetches_a, fetches_b, feed)``: one ``Session.run`` of both
+  (gradients compared in the same run see the same random draws).
+- ``assert_grads_match(ours, theirs, values_ours, values_theirs)``: same
+  structure as ``tf.gradients`` (None pattern, ``IndexedSlices`` where it
+  gives one, dtypes) and the same values within float tolerance.
+- ``measure_peak(fetches, feed)``: peak bytes of the second traced run in the
+  default graph, summed over allocators, plus the per-allocator dict.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from memory_saving_gradients import profiling  # noqa: E402
+
+#: Size of one unit of the chain memory tests: 262144 float32 = 1 MiB.
+MIB = 1 << 20
+
+
+@pytest.fixture
+def graph():
+    """A fresh v1 graph, made the default for the test's duration."""
+    g = tf.Graph()
+    with g.as_default():
+        yield g
+
+
+def _dense(value):
+    """A numpy array from a fetched tensor or ``IndexedSlicesValue``."""
+    if hasattr(value, "indices") and hasattr(value, "dense_shape"):  # IndexedSlicesValue
+        dense = np.zeros(value.dense_shape, dtype=value.values.dtype)
+        np.add.at(dense, value.indices, value.values)
+        return dense
+    return np.asarray(value)
+
+
+def _fetchable(grads):
+    """Fetchable structure for a gradient list with Nones (None is not fetchable)."""
+    return [g for g in grads if g is not None]
+
+
+@pytest.fixture
+def run_both():
+    """Run two gradient lists in ONE ``Session.run`` of the default graph.
+
+    Returns the fetched values, with None where the gradient is None.
+    Extra keyword ``session`` reuses an open session (for several steps).
+    """
+
+    def run(ours, theirs, feed_dict=None, session=None, init=True):
+        def fill(grads, values):
+            values = iter(values)
+            return [None if g is None else next(values) for g in grads]
+
+        def go(sess):
+            got_ours, got_theirs = sess.run(
+                [_fetchable(ours), _fetchable(theirs)], feed_dict=feed_dict
+            )
+            return fill(ours, got_ours), fill(theirs, got_theirs)
+
+        if session is not None:
+            return go(session)
+        with tf.compat.v1.Session() as sess:
+            if init:
+                sess.run(tf.compat.v1.global_variables_initializer())
+            return go(sess)
+
+    return run
+
+
+@pytest.fixture
+def assert_grads_match():
+    """Structure and values of our gradients equal tf.gradients' (float tolerance)."""
+
+    def check(ours, theirs, values_ours, values_theirs, rtol=1e-4, atol=1e-5):
+        assert isinstance(ours, list), type(ours)
+        assert len(ours) == len(theirs)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            assert (a is None) == (b is None), f"gradient {i}: ours {a}, tf.gradients {b}"
+            if a is None:
+                continue
+            assert type(a) is type(b), f"gradient {i}: ours {type(a)}, tf.gradients {type(b)}"
+            assert a.dtype == b.dtype, f"gradient {i}: ours {a.dtype}, tf.gradients {b.dtype}"
+            np.testing.assert_allclose(
+                _dense(values_ours[i]), _dense(values_theirs[i]), rtol=rtol, atol=atol,
+                err_msg=f"gradient {i} ({b.name if hasattr(b, 'name') else b})",
+            )
+
+    return check
+
+
+@pytest.fixture
+def measure_peak():
+    """Peak bytes of a traced step (second of two runs) in the default graph.
+
+    Returns ``(total, per_allocator)``; ``total`` sums the allocators' peaks
+    (on this CPU build there is one, 'mklcpu' or 'cpu').
+    """
+
+    def measure(fetches, feed_dict=None):
+        with tf.compat.v1.Session() as sess:  # default ConfigProto: grappler on
+            sess.run(tf.compat.v1.global_variables_initializer())
+            _, metadata = profiling.traced_run(sess, fetches, feed_dict, runs=2)
+        peaks = profiling.peak_memory(metadata)
+        return sum(peaks.values()), peaks
+
+    return measure
+
+
+@pytest.fixture
+def op_snapshot():
+    """``snapshot(graph) -> {name: NodeDef bytes}`` of every op now in ``graph``."""
+
+    def snapshot(g):
+        return {op.name: op.node_def.SerializeToString(deterministic=True)
+                for op in g.get_operations()}
+
+    return snapshot
