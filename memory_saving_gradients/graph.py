@@ -93,8 +93,23 @@ GRADIENT_READS_INPUTS_AND_OUTPUTS = frozenset(
 )
 
 
-def gradient_reads(op: tf.Operation) -> tuple:
-    """(inputs, outputs) of ``op`` that its gradient reads, by op type."""
+# Products whose gradient for one input reads only the other input: an
+# input is read only if the other one needs a gradient (grappler prunes the
+# unused half of the gradient otherwise).
+GRADIENT_READS_OTHER_INPUT = frozenset(
+    {
+        "Mul", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D",
+        "Conv3D", "DepthwiseConv2dNative",
+    }
+)
+
+
+def gradient_reads(op: tf.Operation, needs_gradient=lambda tensor: True) -> tuple:
+    """(inputs, outputs) of ``op`` that its gradient reads, by op type.
+
+    ``needs_gradient(tensor)`` says whether an input's gradient is wanted;
+    it decides what products read.
+    """
     if op.type in GRADIENT_READS_NOTHING:
         return (), ()
     if op.type in GRADIENT_READS_OUTPUTS:
@@ -105,6 +120,11 @@ def gradient_reads(op: tf.Operation) -> tuple:
         return tuple(op.inputs[:2]), tuple(op.outputs[3:])
     if op.type in GRADIENT_READS_INPUTS_AND_OUTPUTS:
         return tuple(op.inputs), tuple(op.outputs)
+    if op.type in GRADIENT_READS_OTHER_INPUT and len(op.inputs) == 2:
+        first, second = op.inputs[0], op.inputs[1]
+        return tuple(
+            t for t, other in ((first, second), (second, first)) if needs_gradient(other)
+        ), ()
     return tuple(op.inputs), ()
 
 

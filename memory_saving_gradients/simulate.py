@@ -192,7 +192,9 @@ class _Gradients:
 
 def _backward_op(op, step, timeline, grads, region, xs_refs, size, rename=lambda k: k):
     """One op's gradient: reads what it needs, consumes its outputs' gradients, emits its inputs'."""
-    reads_in, reads_out = graph_lib.gradient_reads(op)
+    reads_in, reads_out = graph_lib.gradient_reads(
+        op, lambda t: t.op in region or t.ref() in xs_refs
+    )
     for t in list(reads_in) + list(reads_out):
         timeline.use(rename(t.ref()), step)
     grads.consume(op.outputs, step)
