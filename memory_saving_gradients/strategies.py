@@ -136,6 +136,9 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
         peak, _, tensors = min(
             (p for p in proposals if p[0] <= 1.03 * lowest), key=lambda p: (p[1], p[0])
         )
+        baseline = simulate.predict_baseline(region, ys, xs, unknown_dim).peak_bytes
+        if peak >= baseline:
+            return MemoryPlan([], baseline)
         return MemoryPlan(tensors, peak)
     target = float(memory_budget)
     for _ in range(5):

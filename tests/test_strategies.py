@@ -1,0 +1,230 @@
+"""Automatic checkpoints: 'speed', 'memory', memory budgets and plan() (issue 3).
+
+Values are compared with tf.compat.v1.gradients in the same Session.run.
+Memory figures are measured peaks (allocation records of the second traced
+run, default ConfigProto, grappler on) of the same graph built twice, once
+with plain tf.gradients and once with the strategy; the bounds are the
+issue's, the slack stated where a prediction is compared.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from memory_saving_gradients import profiling, strategies
+import test_models
+
+MB = 2.0**20
+
+
+def _xs(model):
+    return model.params or model.inputs
+
+
+def _measure(name, variant, memory_budget=None, **size):
+    """Build the model in a fresh graph, take gradients one way, return (peak bytes, plan)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        model = test_models.build(name, **size)
+        xs = _xs(model)
+        if variant == "tf":
+            grads = tf.compat.v1.gradients(model.loss, xs)
+            the_plan = msg.plan(model.loss, xs, checkpoints="memory")
+        else:
+            the_plan = msg.plan(model.loss, xs, checkpoints=variant, memory_budget=memory_budget)
+            grads = msg.gradients(model.loss, xs, checkpoints=variant, memory_budget=memory_budget)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            _, metadata = profiling.traced_run(session, grads, model.feed_dict)
+    return sum(profiling.peak_memory(metadata).values()), the_plan
+
+
+def _compare(name, strategy, **size):
+    graph = tf.Graph()
+    with graph.as_default():
+        model = test_models.build(name, **size)
+        xs = _xs(model)
+        ours = msg.gradients(model.loss, xs, checkpoints=strategy)
+        theirs = tf.compat.v1.gradients(model.loss, xs)
+        assert [g is None for g in ours] == [g is None for g in theirs]
+        assert [type(g) for g in ours] == [type(g) for g in theirs]
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            a, b = session.run(
+                ([tf.convert_to_tensor(g) for g in ours if g is not None],
+                 [tf.convert_to_tensor(g) for g in theirs if g is not None]),
+                model.feed_dict,
+            )
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+
+
+MODELS = [
+    ("chain", dict(n=30, size=1024)),
+    ("resnet", dict(depth=20, batch=4)),
+    ("transformer", dict(layers=3)),
+    ("unet", dict()),
+    ("mlp", dict()),
+]
+
+
+@pytest.mark.parametrize("strategy", ["speed", "memory"])
+@pytest.mark.parametrize("name,size", MODELS, ids=[m[0] for m in MODELS])
+def test_strategy_gradients_equal_tf_gradients(name, size, strategy):
+    _compare(name, strategy, **size)
+
+
+def test_budgeted_gradients_equal_tf_gradients():
+    graph = tf.Graph()
+    with graph.as_default():
+        model = test_models.build("resnet", depth=20, batch=4)
+        baseline = msg.plan(model.loss, model.params).baseline_peak_bytes
+        ours = msg.gradients(model.loss, model.params, memory_budget=0.5 * baseline,
+                             checkpoints="memory")
+        theirs = tf.compat.v1.gradients(model.loss, model.params)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            a, b = session.run((ours, theirs), model.feed_dict)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
+
+
+def test_speed_chooses_by_op_type_not_name(graph):
+    x = tf.compat.v1.placeholder(tf.float32, [4, 4])
+    w = tf.Variable(np.eye(4, dtype=np.float32))
+    product = tf.matmul(x, w, name="relu_not_a_matmul")
+    activation = tf.nn.relu(product, name="conv_not_a_conv")
+    loss = tf.reduce_sum(tf.tanh(tf.matmul(activation, w, name="plain")))
+    chosen = msg.plan(loss, [w], checkpoints="speed").checkpoints
+    names = {t.name for t in chosen}
+    assert "relu_not_a_matmul:0" in names and "plain:0" in names
+    assert "conv_not_a_conv:0" not in names
+
+
+def test_memory_without_bottleneck_still_saves():
+    """A U-Net has no single tensor separating its input from its loss."""
+    base, _ = _measure("unet", "tf", image_size=64, batch=8, base=16, levels=4)
+    ours, _ = _measure("unet", "memory", image_size=64, batch=8, base=16, levels=4)
+    assert ours <= 0.85 * base, (ours / MB, base / MB)
+
+
+def test_memory_falls_back_with_warning_when_nothing_can_be_saved(graph, caplog):
+    x = tf.compat.v1.placeholder(tf.float32, [8])
+    loss = tf.reduce_sum(x * x)
+    before = len(graph.get_operations())
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        grads = msg.gradients(loss, [x], checkpoints="memory")
+    assert "plain tf.gradients" in caplog.text
+    with tf.compat.v1.Session() as session:
+        value = session.run(grads[0], {x: np.arange(8, dtype=np.float32)})
+    np.testing.assert_allclose(value, 2 * np.arange(8))
+    assert len(graph.get_operations()) > before
+
+
+def test_plan_builds_nothing_and_is_deterministic():
+    names = []
+    for _ in range(2):
+        graph = tf.Graph()
+        with graph.as_default():
+            model = test_models.build("resnet", depth=20, batch=4)
+            count = len(graph.get_operations())
+            the_plan = msg.plan(model.loss, model.params)
+            assert len(graph.get_operations()) == count
+            names.append([t.name for t in the_plan.checkpoints])
+    assert names[0] == names[1] and names[0]
+    text = str(the_plan)
+    assert "checkpoints" in text and "MB" in text and names[0][0] in text
+    assert 0 < the_plan.predicted_peak_bytes < the_plan.baseline_peak_bytes
+    assert 0 < the_plan.recompute_cost <= 1.5
+
+
+def test_unknown_batch_dimension_is_an_assumption(graph):
+    x = tf.compat.v1.placeholder(tf.float32, [None, 64])
+    w = tf.Variable(np.ones([64, 64], np.float32))
+    h = x
+    for _ in range(8):
+        h = tf.tanh(tf.matmul(h, w))
+    the_plan = msg.plan(tf.reduce_sum(h), [w])
+    assert any("unknown dimensions" in a for a in the_plan.assumptions)
+    assert "assumed" in str(the_plan)
+
+
+@pytest.mark.parametrize("bad", [0, -5, "10MB", True])
+def test_bad_budget_is_a_clear_error(graph, bad):
+    x = tf.compat.v1.placeholder(tf.float32, [8])
+    loss = tf.reduce_sum(tf.tanh(tf.tanh(x)))
+    count = len(graph.get_operations())
+    with pytest.raises(ValueError, match="memory_budget"):
+        msg.gradients(loss, [x], checkpoints="memory", memory_budget=bad)
+    assert len(graph.get_operations()) == count
+
+
+def test_budget_with_other_strategy_is_an_error(graph):
+    x = tf.compat.v1.placeholder(tf.float32, [8])
+    loss = tf.reduce_sum(tf.tanh(tf.tanh(x)))
+    with pytest.raises(ValueError, match="checkpoints='memory'"):
+        msg.gradients(loss, [x], checkpoints="speed", memory_budget=1000)
+
+
+def test_infeasible_budget_states_smallest_peak():
+    graph = tf.Graph()
+    with graph.as_default():
+        model = test_models.build("resnet", depth=20, batch=4)
+        count = len(graph.get_operations())
+        with pytest.raises(ValueError, match=r"smallest peak .* is [0-9.]+ MB"):
+            msg.gradients(model.loss, model.params, checkpoints="memory", memory_budget=10000)
+        assert len(graph.get_operations()) == count
+
+
+# --- measured memory against tf.gradients ---------------------------------
+
+@pytest.mark.parametrize(
+    "name,size,bound",
+    [
+        ("chain", dict(n=100), 0.30),
+        ("resnet", dict(depth=56, batch=8), 0.45),
+        ("resnet", dict(depth=110, batch=32), 0.25),
+        ("transformer", dict(layers=12, d_model=128, seq_len=128, batch=8), 0.40),
+    ],
+    ids=["chain100", "resnet56-b8", "resnet110-b32", "gpt12"],
+)
+def test_memory_strategy_peak_and_plan_accuracy(name, size, bound):
+    """Measured peak within the issue's bound; plan() within +-25% for both variants."""
+    base, base_plan = _measure(name, "tf", **size)
+    ours, our_plan = _measure(name, "memory", **size)
+    assert ours <= bound * base, f"{ours / MB:.1f} MB vs {base / MB:.1f} MB"
+    assert abs(base_plan.baseline_peak_bytes - base) <= 0.25 * base
+    assert abs(our_plan.predicted_peak_bytes - ours) <= 0.25 * ours
+
+
+def test_budget_beats_uniform_on_resnet110():
+    """0.22x of the predicted baseline as budget: measured at most 0.25x of tf.gradients."""
+    size = dict(depth=110, batch=32)
+    base, base_plan = _measure("resnet", "tf", **size)
+    ours, _ = _measure("resnet", "memory", memory_budget=0.22 * base_plan.baseline_peak_bytes,
+                       **size)
+    assert ours <= 0.25 * base, f"{ours / MB:.1f} MB vs {base / MB:.1f} MB"
+
+
+def test_budgets_are_met_and_monotone():
+    """Budgets of 0.4, 0.6, 0.8 of the baseline: measured peaks within 1.15x, rising."""
+    size = dict(depth=56, batch=8)
+    base, base_plan = _measure("resnet", "tf", **size)
+    peaks = []
+    for fraction in (0.4, 0.6, 0.8):
+        budget = fraction * base_plan.baseline_peak_bytes
+        ours, _ = _measure("resnet", "memory", memory_budget=budget, **size)
+        assert ours <= 1.15 * budget, (fraction, ours / MB, budget / MB)
+        peaks.append(ours)
+    assert peaks[0] <= peaks[1] <= peaks[2], [p / MB for p in peaks]
+
+
+def test_strategies_registry():
+    assert {"collection", "speed", "memory"} <= set(msg.available_strategies())
+    with pytest.raises(ValueError, match="Unknown checkpoint strategy"):
+        strategies.get("fastest")
