@@ -1,0 +1,142 @@
+"""Bad input: a ValueError/TypeError (RuntimeError when eager) that says what
+was wrong and what to do, and the graph is left exactly as it was.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from test_models import chain
+
+
+@pytest.fixture
+def model(graph):
+    return chain.build_tanh_chain(n=6, size=8)
+
+
+@pytest.fixture
+def outside(model):
+    """A tensor of the graph that is not between xs and ys."""
+    return tf.tanh(tf.constant([1.0]), name="outside")
+
+
+@pytest.fixture
+def unchanged(graph, op_snapshot):
+    """Asserts after the test that the graph has the same ops with the same NodeDefs."""
+    before = op_snapshot(graph)
+    yield
+    assert op_snapshot(graph) == before, "a failed call left ops behind or changed some"
+
+
+def call_fails(error, words, *args, **kwargs):
+    """``gradients(*args, **kwargs)`` raises ``error`` whose message contains every word (regex)."""
+    with pytest.raises(error) as info:
+        msg.gradients(*args, **kwargs)
+    text = str(info.value)
+    for word in words:
+        assert re.search(word, text, re.IGNORECASE), f"{word!r} not in message: {text}"
+    return text
+
+
+def test_checkpoint_from_another_graph(model, unchanged):
+    other = tf.Graph()
+    with other.as_default():
+        foreign = tf.tanh(tf.constant([1.0]), name="foreign")
+    call_fails(ValueError, ["another graph", "foreign", "graph being differentiated"],
+               model.loss, model.inputs, checkpoints=[model.units[2], foreign])
+
+
+@pytest.mark.parametrize("bad", ["chain_tanh/Tanh_2:0", 3, 2.5, None])
+def test_non_tensor_in_checkpoint_list(model, unchanged, bad):
+    text = call_fails(TypeError, ["checkpoint", "tensor"],
+                      model.loss, model.inputs, checkpoints=[model.units[1], bad])
+    assert type(bad).__name__ in text
+
+
+@pytest.mark.parametrize("bad", [3, 2.5, object()])
+def test_number_or_object_as_checkpoints(model, unchanged, bad):
+    call_fails(TypeError, ["checkpoints", "strategy|list"], model.loss, model.inputs, checkpoints=bad)
+
+
+def test_unknown_strategy_name(model, unchanged):
+    call_fails(ValueError, ["no_such_strategy", "collection"],
+               model.loss, model.inputs, checkpoints="no_such_strategy")
+
+
+@pytest.mark.parametrize("which", ["xs", "ys", "outside", "all_three"])
+def test_explicit_list_with_no_usable_tensor(model, outside, unchanged, which):
+    """xs, ys, and tensors not between them are unusable; a list of only those is an error."""
+    candidates = {
+        "xs": [model.inputs[0]],
+        "ys": [model.loss],
+        "outside": [outside],
+        "all_three": [model.inputs[0], model.loss, outside],
+    }[which]
+    names = [t.name for t in candidates]
+    text = call_fails(ValueError, ["checkpoint", "xs", "ys", "pass|use"],
+                      model.loss, model.inputs, checkpoints=candidates)
+    assert all(name in text for name in names), text
+
+
+def test_empty_checkpoint_list(model, unchanged):
+    call_fails(ValueError, ["empty", "strategy"], model.loss, model.inputs, checkpoints=[])
+
+
+def test_empty_xs(model, unchanged):
+    call_fails(ValueError, ["xs", "empty"], model.loss, [], checkpoints=[model.units[2]])
+
+
+def test_empty_ys(model, unchanged):
+    call_fails(ValueError, ["ys", "empty"], [], model.inputs, checkpoints=[model.units[2]])
+
+
+@pytest.mark.parametrize("where", ["xs", "ys", "stop_gradients"])
+def test_string_where_a_tensor_belongs(model, unchanged, where):
+    args = {"ys": model.loss, "xs": model.inputs, "stop_gradients": None}
+    args[where] = ["chain_tanh/Tanh:0"]
+    call_fails(TypeError, [where, "tensor", "str"], args["ys"], args["xs"],
+               checkpoints=[model.units[2]], stop_gradients=args["stop_gradients"])
+
+
+def test_xs_from_another_graph(model, unchanged):
+    other = tf.Graph()
+    with other.as_default():
+        foreign = tf.compat.v1.placeholder(tf.float32, [8], name="foreign_x")
+    call_fails(ValueError, ["another graph", "foreign_x"], model.loss, [foreign],
+               checkpoints=[model.units[2]])
+
+
+def test_grad_ys_length_mismatch(model, unchanged):
+    call_fails(ValueError, ["grad_ys", "ys"], model.loss, model.inputs,
+               grad_ys=[None, None],
+               checkpoints=[model.units[2]])
+
+
+def test_unknown_unconnected_gradients_value(model, unchanged):
+    with pytest.raises(ValueError):
+        msg.gradients(model.loss, model.inputs, checkpoints=[model.units[2]],
+                      unconnected_gradients="sometimes")
+
+
+def test_eager_call_raises_runtime_error():
+    assert tf.executing_eagerly()
+    x = tf.constant([1.0, 2.0])
+    with pytest.raises(RuntimeError) as info:
+        msg.gradients(tf.reduce_sum(tf.tanh(x)), [x])
+    text = str(info.value)
+    assert "tf.function" in text and "graph" in text, text
+
+
+def test_graph_usable_after_errors(graph, model, run_both, assert_grads_match):
+    """After a rejected call the same graph still differentiates correctly."""
+    with pytest.raises(TypeError):
+        msg.gradients(model.loss, model.inputs, checkpoints=[model.units[1], "nope"])
+    with pytest.raises(ValueError):
+        msg.gradients(model.loss, model.inputs, checkpoints=[model.loss])
+    ours = msg.gradients(model.loss, model.inputs, checkpoints=[model.units[1], model.units[3]])
+    theirs = tf.compat.v1.gradients(model.loss, model.inputs)
+    assert_grads_match(ours, theirs, *run_both(ours, theirs, model.feed_dict))
