@@ -29,6 +29,9 @@ TensorOrList = Union[tf.Tensor, Sequence[tf.Tensor]]
 Checkpoints = Union[str, Sequence[tf.Tensor]]
 
 
+# Called from a tf.function, autograph would convert this library's code
+# (slowly, and wrongly: it broke keyword calls and len() on lists).
+@tf.autograph.experimental.do_not_convert
 def gradients(
     ys: TensorOrList,
     xs,
@@ -351,6 +354,8 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
             x = x.handle
             if not isinstance(x, tf.Tensor) or not hasattr(x, "graph") or x.graph is not graph:
                 x = tf.convert_to_tensor(x)  # captures an eager handle in a tf.function
+                if getattr(x, "graph", graph) is not graph and hasattr(graph, "capture"):
+                    x = graph.capture(x)  # a v1 graph's variable used in a tf.function
         if not isinstance(x, tf.Tensor):
             raise TypeError(
                 f"xs must be tensors or resource variables; got {type(x).__name__} {x!r:.80}."
