@@ -199,6 +199,8 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None):
         )
     outer = [t for t in given if not graph_lib.in_function_body_of(t, graph)]
     _check_same_graph(outer, graph, "checkpoints")
+    if not region.ops:
+        return None  # no op between xs and ys (ys do not depend on xs): as tf.gradients
     usable = usable_checkpoints(outer, ys, xs, region)
     if not usable:
         raise ValueError(
@@ -246,6 +248,7 @@ def _backprop(
         contributions.setdefault(y.ref(), []).append(g)
 
     stop_ops = {t.op for t in stops}
+    differentiated: set = set()
     # A v1 while_loop/cond is one group (its last op stands for it), kept and
     # differentiated whole: its inner tensors are never targets.
     constructs = graph_lib.control_flow_constructs(region)
@@ -261,6 +264,7 @@ def _backprop(
         ]
         if not targets or op in stop_ops:
             continue
+        differentiated.add(op)
         target_grads = [total(t) for t in targets]
         if op in constructs:
             segment = graph_lib.construct_segment(members, targets, kept)
@@ -315,6 +319,9 @@ def _backprop(
     results = []
     for x in xs:
         g = total(x)
+        if g is None and x.op in differentiated:
+            # tf.gradients gives zeros for an unused output of an op it differentiates.
+            g = rewrite.unused_output_gradient(x)
         if g is None and unconnected == tf.UnconnectedGradients.ZERO:
             g = rewrite.zeros_like_gradient(x)
         results.append(g)
@@ -356,6 +363,8 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
                 x = tf.convert_to_tensor(x)  # captures an eager handle in a tf.function
                 if getattr(x, "graph", graph) is not graph and hasattr(graph, "capture"):
                     x = graph.capture(x)  # a v1 graph's variable used in a tf.function
+        elif isinstance(x, tf.Tensor) and getattr(x, "graph", None) is None:
+            x = tf.convert_to_tensor(x)  # an eager tensor: captured, as tf.gradients does
         if not isinstance(x, tf.Tensor):
             raise TypeError(
                 f"xs must be tensors or resource variables; got {type(x).__name__} {x!r:.80}."

@@ -43,6 +43,22 @@ def tensor_order(tensor: tf.Tensor) -> tuple:
     return (op_order(tensor.op), tensor.value_index)
 
 
+def v1_control_flow_context(op: tf.Operation):
+    """The outermost v1 ``while_loop``/``cond`` context ``op`` is in, or None.
+
+    XLA contexts are skipped: they are no control flow, but a
+    ``tf.function(jit_compile=True)`` traced by ``get_concrete_function`` or
+    ``experimental_get_compiler_ir`` puts every op in one.
+    """
+    context = op._control_flow_context  # pylint: disable=protected-access
+    outermost = None
+    while context is not None:
+        if not context.IsXLAContext():
+            outermost = context
+        context = context.outer_context
+    return outermost
+
+
 def is_recomputable(op: tf.Operation) -> bool:
     """Whether running a copy of ``op`` again is guaranteed to give the same result.
 
@@ -52,7 +68,7 @@ def is_recomputable(op: tf.Operation) -> bool:
     """
     if op.type in CONTROL_FLOW_OP_TYPES:
         return False
-    if op._control_flow_context is not None:  # pylint: disable=protected-access
+    if v1_control_flow_context(op) is not None:
         return False
     try:
         if op.op_def.is_stateful:
@@ -135,7 +151,7 @@ def is_differentiable_in_place(op: tf.Operation) -> bool:
     """
     return (
         op.type not in CONTROL_FLOW_OP_TYPES
-        and op._control_flow_context is None  # pylint: disable=protected-access
+        and v1_control_flow_context(op) is None
         and not op.graph._is_function(op.type)  # pylint: disable=protected-access
     )
 
@@ -200,14 +216,14 @@ def boundary_tensors(
 
     These are ``xs``, ``ys``, the checkpoints, and the tensors around every op
     that is not recomputable (its region outputs, and its inputs produced in
-    the region), since such an op is differentiated in place.  A checkpoint
-    keeps every region output of its op, so that no op is ever both kept and
-    recomputed.
+    the region), since such an op is differentiated in place.  A checkpoint,
+    x or y keeps every region output of its op, so that no op is ever both
+    kept and recomputed.
     """
     kept: dict = {}
     for t in list(xs) + list(ys):
         kept.setdefault(t.ref(), t)
-    boundary_ops = {t.op for t in checkpoints if t.op in region}
+    boundary_ops = {t.op for t in list(checkpoints) + list(xs) + list(ys) if t.op in region}
     for op in region.order:
         if not is_recomputable(op):
             boundary_ops.add(op)
@@ -290,10 +306,7 @@ V1_CONTROL_FLOW_OP_TYPES = frozenset(
 
 
 def _root_context(op: tf.Operation):
-    context = op._control_flow_context  # pylint: disable=protected-access
-    while context is not None and context.outer_context is not None:
-        context = context.outer_context
-    return context
+    return v1_control_flow_context(op)
 
 
 def control_flow_constructs(region: ForwardRegion) -> dict:

@@ -158,6 +158,24 @@ def _unique_ops(ops: Iterable[tf.Operation]) -> list:
     return unique
 
 
+def unused_output_gradient(t: tf.Tensor):
+    """What ``tf.gradients`` gives for output ``t`` of an op it differentiates, when no
+    gradient reaches ``t``: zeros if ``t`` is trainable and the op has a gradient, else None."""
+    from tensorflow.python.eager import backprop_util as _backprop_util
+    from tensorflow.python.ops import control_flow_state as _control_flow_state
+    from tensorflow.python.ops import default_gradient as _default_gradient
+
+    try:
+        has_gradient = _ops.get_gradient_function(t.op) is not None
+    except LookupError:
+        has_gradient = False
+    if not (has_gradient and _backprop_util.IsTrainable(t)
+            and _default_gradient.supports_default_grad(t)):
+        return None
+    with _ops.name_scope(t.op.name + "_grad"):
+        return _control_flow_state.ZerosLike(t.op, t.value_index)
+
+
 def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:
     """What ``tf.gradients`` returns for an unconnected ``x`` with ``unconnected_gradients='zero'``."""
     return _gradients_util._ZerosLike(x)  # pylint: disable=protected-access
