@@ -161,15 +161,43 @@ def least_recompute(problem: CutProblem, budget: float, levels: int = 160):
     return sorted(chosen), total
 
 
-def smallest_budget(problem: CutProblem, upper: float, tolerance: float = 0.02,
-                    levels: int = 160) -> float:
-    """The least budget (within ``tolerance``) for which a choice of cuts exists."""
-    lower = float(problem.fixed_bytes)
-    if least_recompute(problem, upper, levels) is None:
-        return math.inf
-    while upper - lower > tolerance * upper:
+def smallest_budget(problem: CutProblem, levels: int = 160) -> float:
+    """The least peak the model can reach: one minimax pass of the same program.
+
+    Each state keeps the largest segment peak on its way instead of the
+    recomputation, with ``kept`` quantised in steps of the total output bytes
+    over ``levels`` (rounding up, so the result never under-counts).
+    """
+    n = len(problem)
+    total = float(problem.output_bytes[-1]) + problem.fixed_bytes + 1.0
+    quantum = total / levels
+    width = levels + 1
+    level_index = np.arange(width)
+    best = np.full((n, width), np.inf)
+    best[0, 0] = 0.0
+    for b in range(1, n):
+        preds = np.arange(0, b)
+        work = problem.work(preds, b)
+        if b == n - 1:
+            shift = np.zeros(preds.shape, dtype=np.int64)
+        else:
+            shift = np.ceil(problem.new_kept(preds, b) / quantum).astype(np.int64)
+        source = level_index[None, :] - shift[:, None]
+        valid = source >= 0
+        safe = np.clip(source, 0, levels)
+        peak = np.maximum(best[preds[:, None], safe], safe * quantum + work[:, None])
+        best[b] = np.where(valid, peak, np.inf).min(axis=0)
+    return float(best[n - 1].min())
+
+
+def refine_floor(problem: CutProblem, upper: float, steps: int = 4) -> float:
+    """Bisect below ``upper`` with the finer quantisation of :func:`least_recompute`."""
+    lower = 0.5 * upper
+    if least_recompute(problem, upper) is None:
+        return upper
+    for _ in range(steps):
         middle = (lower + upper) / 2
-        if least_recompute(problem, middle, levels) is None:
+        if least_recompute(problem, middle) is None:
             lower = middle
         else:
             upper = middle

@@ -125,8 +125,8 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
         return peak, solution[1], tensors
 
     def near_floor():
-        floor = budget_lib.smallest_budget(problem, upper=4.0 * (cuts.output_bytes[-1] + fixed + 1))
-        return [p for p in (proposal(f * floor) for f in (1.0, 1.1, 1.25, 1.5)) if p]
+        floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
+        return [p for p in (proposal(f * floor) for f in (1.0, 1.1, 1.25)) if p]
 
     if memory_budget is None:
         proposals = near_floor()
@@ -134,7 +134,7 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
             return MemoryPlan([], 0)
         lowest = min(p[0] for p in proposals)
         peak, _, tensors = min(
-            (p for p in proposals if p[0] <= 1.03 * lowest), key=lambda p: (p[1], p[0])
+            (p for p in proposals if p[0] <= 1.01 * lowest), key=lambda p: (p[1], p[0])
         )
         baseline = simulate.predict_baseline(region, ys, xs, unknown_dim).peak_bytes
         if peak >= baseline:
