@@ -1,0 +1,238 @@
+"""Edge cases behave exactly like ``tf.compat.v1.gradients``.
+
+Every test builds one graph, asks TensorFlow and ``gradients()`` (with a
+checkpoint list and with every automatic strategy) the same question, and
+compares what comes back in one session run: the None pattern, dense or
+``IndexedSlices``, dtypes and values.  Where TensorFlow raises, ``gradients()``
+must raise the same exception class.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from memory_saving_gradients._tensorflow import tf_gradients
+
+N = 4
+VARIANTS = ["list"] + msg.available_strategies()
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    logger = logging.getLogger("memory_saving_gradients")
+    level = logger.level
+    logger.setLevel(logging.ERROR)  # strategies that find nothing warn and fall back
+    yield
+    logger.setLevel(level)
+
+
+@pytest.fixture
+def g():
+    graph = tf.Graph()
+    with graph.as_default():
+        yield graph
+
+
+def _dense(value):
+    if hasattr(value, "indices") and hasattr(value, "dense_shape"):
+        out = np.zeros(value.dense_shape, dtype=value.values.dtype)
+        np.add.at(out, value.indices, value.values)
+        return out
+    return np.asarray(value)
+
+
+def _kind(t):
+    if t is None:
+        return None
+    return "sparse" if isinstance(t, tf.IndexedSlices) else "dense"
+
+
+def compare(ys, xs, checkpoints, feed, variants=VARIANTS, **kwargs):
+    """tf.gradients vs gradients() for each variant; returns tf's fetched values."""
+    expected = tf_gradients(ys, xs, **kwargs)
+    ours = {}
+    for variant in variants:
+        cps = checkpoints if variant == "list" else variant
+        ours[variant] = msg.gradients(ys, xs, checkpoints=cps, **kwargs)
+    fetch = {name: [t for t in grads if t is not None] for name, grads in ours.items()}
+    fetch["tf"] = [t for t in expected if t is not None]
+    with tf.compat.v1.Session() as sess:
+        out = sess.run(fetch, feed_dict=feed)
+    for name, grads in ours.items():
+        assert [_kind(t) for t in grads] == [_kind(t) for t in expected], name
+        assert [t.dtype for t in grads if t is not None] == [
+            t.dtype for t in expected if t is not None], name
+        for a, b in zip(out[name], out["tf"]):
+            np.testing.assert_allclose(_dense(a), _dense(b), rtol=1e-5, atol=1e-6, err_msg=name)
+    return expected, out["tf"]
+
+
+def _chain(x, n=4):
+    units = []
+    h = x
+    for _ in range(n):
+        h = tf.tanh(h) * 1.1
+        units.append(h)
+    return units
+
+
+def _feed(*placeholders, seed=0):
+    rng = np.random.RandomState(seed)
+    return {p: rng.uniform(-1, 1, p.shape.as_list()).astype(p.dtype.as_numpy_dtype)
+            for p in placeholders}
+
+
+def test_ys_that_do_not_depend_on_xs_give_none(g):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    w = tf.compat.v1.placeholder(tf.float32, [N])
+    units = _chain(w)
+    y = tf.reduce_sum(units[-1])
+    expected, _ = compare(y, [x], units[1:3], _feed(x, w))
+    assert expected == [None]
+
+
+def test_ys_that_do_not_depend_on_xs_with_unconnected_zero(g):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    w = tf.compat.v1.placeholder(tf.float32, [N])
+    units = _chain(w)
+    _, values = compare(tf.reduce_sum(units[-1]), [x], units[1:3], _feed(x, w),
+                        unconnected_gradients="zero")
+    np.testing.assert_array_equal(values[0], np.zeros(N))
+
+
+def test_some_ys_independent_of_some_xs(g):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    w = tf.compat.v1.placeholder(tf.float32, [N])
+    ux, uw = _chain(x), _chain(w)
+    ys = [tf.reduce_sum(ux[-1]), uw[-1] * 2.0]
+    expected, _ = compare(ys, [x, w, ux[1]], [ux[1], ux[2], uw[2]], _feed(x, w))
+    assert all(t is not None for t in expected)
+
+
+def test_duplicate_xs(g):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    units = _chain(x, 6)
+    y = tf.reduce_sum(units[-1])
+    expected, values = compare(y, [x, units[2], x, units[2]], [units[1], units[3]], _feed(x))
+    np.testing.assert_array_equal(values[0], values[2])
+
+
+def test_xs_equal_to_ys(g):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    units = _chain(x, 6)
+    y = units[-1]
+    _, values = compare([y], [y], [units[2]], _feed(x))
+    np.testing.assert_array_equal(values[0], np.ones(N))
+    grad_y = tf.constant(np.arange(N, dtype=np.float32))
+    compare([y, units[3]], [x, y, units[3]], [units[1], units[4]], _feed(x),
+            grad_ys=[grad_y, None])
+
+
+def test_xs_after_ys_give_none(g):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    units = _chain(x, 5)
+    after = tf.sin(units[-1])
+    expected, _ = compare(units[2], [x, after], [units[1]], _feed(x))
+    assert expected[1] is None
+
+
+def test_integer_tensors_in_the_graph_and_as_xs(g):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    k = tf.compat.v1.placeholder(tf.int32, [N])
+    units = _chain(x)
+    rounded = tf.cast(tf.round(units[1] * 3.0), tf.int32)           # int intermediate
+    mixed = units[-1] * tf.cast(rounded + k, tf.float32)            # int path joins float
+    y = tf.reduce_sum(mixed * tf.gather(units[2], tf.abs(k) % N))   # int indices
+    feed = {x: np.linspace(-1, 1, N).astype(np.float32), k: np.array([1, 3, 0, 2], np.int32)}
+    expected, _ = compare(y, [x, k, rounded, units[2]], [units[1], rounded, units[3]], feed)
+    assert expected[1] is None and expected[2] is None and expected[0] is not None
+
+
+def test_sibling_output_of_a_differentiated_op_gets_zeros_like_tf(g):
+    """tf.gradients gives zeros, not None, for an x that is an unused output of an
+    op it differentiates (here: one half of a split whose other half reaches y)."""
+    x = tf.compat.v1.placeholder(tf.float32, [2 * N])
+    h = tf.tanh(x)
+    left, right = tf.split(h, 2)
+    units = _chain(right, 3)
+    y = tf.reduce_sum(units[-1])
+    expected, values = compare(y, [x, left], [units[0], units[1]], _feed(x))
+    assert expected[1] is not None
+    np.testing.assert_array_equal(values[1], np.zeros(N))
+
+
+def test_checkpoint_list_with_duplicates_xs_and_ys(g):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    units = _chain(x, 6)
+    y = tf.reduce_sum(units[-1])
+    cps = [units[2], units[2], x, y, units[4], x, units[4]]
+    compare(y, [x, units[1]], cps, _feed(x), variants=["list"])
+    before = set(g.get_operations())
+    with pytest.raises(ValueError, match="can be used"):
+        msg.gradients(y, [x], checkpoints=[x, y, x])  # nothing usable: a clear error
+    assert set(g.get_operations()) == before
+
+
+def test_sparse_gradients_stay_sparse(g):
+    table = tf.compat.v1.placeholder(tf.float32, [6, N])
+    rows = tf.gather(table, [0, 3, 3, 5])
+    units = _chain(rows)
+    y = tf.reduce_sum(units[-1])
+    expected, _ = compare(y, [table], [units[1], units[2]], _feed(table))
+    assert isinstance(expected[0], tf.IndexedSlices)
+
+
+# ---- errors: the same exception class as TensorFlow ------------------------------------
+
+def _error_of(fn):
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - we compare the class
+        return error
+    return None
+
+
+def _same_error(make_args):
+    """make_args() -> (ys, xs, kwargs, checkpoints); tf's error class == ours for each variant."""
+    ys, xs, kwargs, checkpoints = make_args()
+    theirs = _error_of(lambda: tf_gradients(ys, xs, **kwargs))
+    assert theirs is not None, "TensorFlow accepted it: not an error case"
+    for variant in VARIANTS:
+        cps = checkpoints if variant == "list" else variant
+        ours = _error_of(lambda: msg.gradients(ys, xs, checkpoints=cps, **kwargs))
+        assert ours is not None, f"{variant}: no error, TensorFlow raised {theirs!r}"
+        assert isinstance(ours, type(theirs)), (variant, ours, theirs)
+    return theirs
+
+
+@pytest.mark.parametrize("shape", [[N + 1], [N, N], [2]])
+def test_grad_ys_of_the_wrong_shape(g, shape):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    units = _chain(x, 5)
+
+    def args():
+        return ([units[-1]], [x], {"grad_ys": [tf.ones(shape)]}, [units[1], units[3]])
+
+    _same_error(args)
+
+
+def test_grad_ys_of_the_wrong_dtype(g):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    units = _chain(x, 5)
+    _same_error(lambda: ([units[-1]], [x], {"grad_ys": [tf.ones([N], tf.int32)]},
+                         [units[1], units[3]]))
+
+
+def test_wrong_number_of_grad_ys(g):
+    x = tf.compat.v1.placeholder(tf.float32, [N])
+    units = _chain(x, 5)
+    _same_error(lambda: ([units[-1]], [x], {"grad_ys": [tf.ones([N]), tf.ones([N])]},
+                         [units[1], units[3]]))
