@@ -47,6 +47,12 @@ class CutProblem:
             self.suffix.append(np.concatenate([np.cumsum(sizes[::-1])[::-1], [0.0]]))
         self.suffix.append(np.zeros(1))
         self._range_max = _RangeMax(np.asarray(cuts.largest, dtype=float))
+        # what the op at a cut contributes when its copy is never run (see graph.Cuts)
+        pruned = ~np.asarray(cuts.reads_outputs + (True,), dtype=bool)[self.positions]
+        own_flops = np.diff(self.flops)[self.positions]
+        own_bytes = np.diff(self.output_bytes)[self.positions]
+        self.pruned_flops = np.where(pruned, own_flops, 0.0)
+        self.pruned_bytes = np.where(pruned, own_bytes, 0.0)
 
     def __len__(self):
         return len(self.positions)
@@ -54,7 +60,7 @@ class CutProblem:
     def work(self, a: np.ndarray, b: int) -> np.ndarray:
         """Bytes allocated while segments (a, b] are recomputed and differentiated."""
         pa, pb = self.positions[a], self.positions[b]
-        outputs = self.output_bytes[pb + 1] - self.output_bytes[pa + 1]
+        outputs = self.output_bytes[pb + 1] - self.output_bytes[pa + 1] - self.pruned_bytes[b]
         return outputs + 2 * self._range_max(pa + 1, pb) + self.fixed_bytes
 
     def new_kept(self, a: np.ndarray, b: int) -> np.ndarray:
@@ -64,7 +70,7 @@ class CutProblem:
 
     def cost(self, a: np.ndarray, b: int) -> np.ndarray:
         pa, pb = self.positions[a], self.positions[b]
-        flops = self.flops[pb + 1] - self.flops[pa + 1]
+        flops = self.flops[pb + 1] - self.flops[pa + 1] - self.pruned_flops[b]
         return np.where(pb - pa <= 1, 0.0, flops)
 
     def first_within(self, b: int, limit: float) -> int:

@@ -409,7 +409,9 @@ class Cuts:
     ones still waiting for a later consumer: keeping them separates everything
     before from everything after.  ``output_bytes[p]`` and ``flops[p]`` are
     prefix sums over the ops at positions <= p (what a segment allocates and
-    computes), ``largest[p]`` the size of the op's largest output.
+    computes), ``largest[p]`` the size of the op's largest output, and
+    ``reads_outputs[p]`` whether the op's gradient reads its outputs (if not,
+    a copy of it at the end of a segment is never run: nothing reads it).
     """
 
     positions: tuple
@@ -418,6 +420,7 @@ class Cuts:
     output_bytes: tuple
     flops: tuple
     largest: tuple
+    reads_outputs: tuple
 
 
 def live_cuts(region: ForwardRegion, size, flops, alias_types=frozenset(),
@@ -443,7 +446,7 @@ def live_cuts(region: ForwardRegion, size, flops, alias_types=frozenset(),
             if op.type in alias_types and op.inputs and op.inputs[0].op in position:
                 source = op.inputs[0].ref()
                 end_of[source] = max(end_of.get(source, 0), end)
-    output_prefix, flop_prefix, largest = [], [], []
+    output_prefix, flop_prefix, largest, reads_outputs = [], [], [], []
     total_bytes = total_flops = 0
     starts: dict = {}
     for i, op in enumerate(order):
@@ -461,6 +464,7 @@ def live_cuts(region: ForwardRegion, size, flops, alias_types=frozenset(),
         output_prefix.append(total_bytes)
         flop_prefix.append(total_flops)
         largest.append(big)
+        reads_outputs.append(bool(gradient_reads(op)[1]))
     # Sweep: live set after each position; a cut where the set changes next.
     ending: dict = {}
     for i, ts in starts.items():
@@ -493,4 +497,4 @@ def live_cuts(region: ForwardRegion, size, flops, alias_types=frozenset(),
         tuple(sorted((position[t.op], own_bytes[t.ref()]) for t in ts)) for ts in tensors
     )
     return Cuts(positions, tensors, new_bytes, tuple(output_prefix), tuple(flop_prefix),
-                tuple(largest))
+                tuple(largest), tuple(reads_outputs))

@@ -255,6 +255,8 @@ def predict_checkpointed(
 
         if segment.recompute:
             for seg_op in segment.ops:
+                if seg_op is op and not graph_lib.gradient_reads(op)[1]:
+                    continue  # nothing reads this copy: grappler prunes it
                 step += 1
                 recompute_flops += op_flops(seg_op)
                 for t in seg_op.inputs:

@@ -134,7 +134,7 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
             return MemoryPlan([], 0)
         lowest = min(p[0] for p in proposals)
         peak, _, tensors = min(
-            (p for p in proposals if p[0] <= 1.01 * lowest), key=lambda p: (p[1], p[0])
+            (p for p in proposals if p[0] <= 1.05 * lowest), key=lambda p: (p[1], p[0])
         )
         baseline = simulate.predict_baseline(region, ys, xs, unknown_dim).peak_bytes
         if peak >= baseline:
