@@ -1,0 +1,239 @@
+"""``python -m memory_saving_gradients.benchmark``: the sweep, the fits-in-N-MB search,
+the training check, and the tables and plots, from one command."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from typing import List, Optional
+
+from . import core
+
+DEFAULT_VARIANTS = tuple(v for v in core.VARIANTS if v != "tf.function")
+DEFAULT_FITS_VARIANTS = ("tf.gradients", "recompute_grad", "memory")
+
+
+def _csv(text: str) -> List[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    from .models import DEFAULT_MODELS
+
+    p = argparse.ArgumentParser(
+        prog="python -m memory_saving_gradients.benchmark",
+        description="Measure peak memory and step time of memory_saving_gradients against "
+        "tf.gradients, grappler's recomputation and tf.recompute_grad on real models. "
+        "Every number is measured in this run (peaks from the allocator's records of a "
+        "traced step; times are medians of untraced steps, interleaved across variants).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Variants:\n" + "\n".join(f"  {k}: {v}" for k, v in core.VARIANT_HELP.items()),
+    )
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help="comma-separated models from test_models/")
+    p.add_argument("--depths", default=None,
+                   help="ResNet depths (6n+2), comma-separated; default 20,56,110 (quick: 8,14)")
+    p.add_argument("--batch", type=int, default=None, help="batch size for every model "
+                   "(default: each model's sweep size, ResNet 32)")
+    p.add_argument("--size", action="append", default=[], metavar="MODEL.KEY=VALUE",
+                   help="override a model size keyword, e.g. transformer.layers=24 (repeatable)")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated, from: " + ", ".join(core.VARIANTS))
+    p.add_argument("--budget-fraction", type=float, default=core.DEFAULT_BUDGET_FRACTION,
+                   help="memory+budget: memory_budget as a fraction of plan()'s predicted "
+                   "tf.gradients peak")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per variant (default 5; quick: 2)")
+    p.add_argument("--cap-mb", type=float, default=None,
+                   help="'fits in N MB': the memory cap (0: skip the search; default 64, "
+                   "quick: 0.6)")
+    p.add_argument("--fits-over", choices=("depth", "batch"), default="depth",
+                   help="search ResNet depth (at --fits-batch) or batch (at --fits-depth)")
+    p.add_argument("--fits-batch", type=int, default=None, help="batch for the depth search "
+                   "(default: the sweep's ResNet batch)")
+    p.add_argument("--fits-depth", type=int, default=56, help="depth for the batch search")
+    p.add_argument("--fits-variants", default=",".join(DEFAULT_FITS_VARIANTS),
+                   help="variants searched for the cap")
+    p.add_argument("--train-steps", type=int, default=None,
+                   help="SGD steps of the transformer for the loss-curve check (0: skip; "
+                   "default 50, quick: 5)")
+    p.add_argument("--train-strategy", default="memory",
+                   help="checkpoints= of the memory-saving run in the loss-curve check")
+    p.add_argument("--scaling", action="store_true",
+                   help="add rewrite-time rows from memory_saving_gradients.scaling (slow)")
+    p.add_argument("--out", default="bench_out", help="output folder")
+    p.add_argument("--device", default="auto",
+                   help="auto (GPU if TensorFlow sees one), cpu, gpu, or a device like /GPU:1")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes, 2 steps, small cap, 5 training steps: a smoke test")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve_device(choice: str) -> str:
+    from .._tensorflow import tf
+
+    if choice == "auto":
+        return "/GPU:0" if tf.config.list_physical_devices("GPU") else ""
+    if choice == "cpu":
+        return "/CPU:0"
+    if choice == "gpu":
+        return "/GPU:0"
+    return choice
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from .._tensorflow import tf
+    from . import fits as fits_lib
+    from . import models, report, sweep, training
+
+    started = time.time()
+    load_before = _load()
+    device = resolve_device(args.device)
+    variants = _csv(args.variants)
+    unknown = [v for v in variants if v not in core.VARIANTS]
+    if unknown:
+        print(f"unknown variant(s) {unknown}; known: {', '.join(core.VARIANTS)}", file=sys.stderr)
+        return 2
+    runnable = []
+    for v in variants:
+        why_not = core.library_available(v)
+        if why_not:
+            print(f"note: variant {v!r} skipped: {why_not}")
+        else:
+            runnable.append(v)
+    _quick_defaults(args)
+    steps = args.steps
+    depths = [int(d) for d in _csv(args.depths)] if args.depths else None
+    specs = models.specs(_csv(args.models), quick=args.quick, depths=depths, batch=args.batch,
+                         overrides=models.parse_overrides(args.size))
+    print(f"Benchmark: {len(specs)} model sizes x {len(runnable)} variants on "
+          f"{device or 'the default device (CPU)'}; output in {args.out}/")
+    rows = sweep.run_sweep(specs, runnable, steps=steps, budget_fraction=args.budget_fraction,
+                           device=device, progress=not args.no_progress)
+
+    fit_results = None
+    if args.cap_mb > 0 and "resnet" in _csv(args.models):
+        fit_results = _fits(args, rows, specs, device, fits_lib, models)
+
+    curves = None
+    if args.train_steps > 0:
+        strategy = args.train_strategy
+        if strategy in __import__("memory_saving_gradients").available_strategies():
+            size = training.QUICK_SIZE if args.quick else training.DEFAULT_SIZE
+            print(f"Training check: {args.train_steps} SGD steps, tf.gradients vs '{strategy}' ...")
+            curves = training.loss_curves(strategy, steps=args.train_steps, size=size)
+        else:
+            print(f"note: training check skipped: strategy {strategy!r} not available")
+
+    extra = []
+    if args.scaling:
+        section = _scaling_section()
+        if section:
+            extra.append(("Rewrite time vs graph size (memory_saving_gradients.scaling)", section))
+    wall = time.time() - started
+    header = _header(args, argv, device, wall, load_before, tf)
+    written = report.write_outputs(args.out, rows, fit_results, curves, extra, header=header)
+
+    print()
+    print(report.markdown_table(rows))
+    exps = report.exponents(rows)
+    if exps:
+        print()
+        print("Peak vs ResNet depth, fitted exponent: " +
+              ", ".join(f"{v} {b:.2f}" for v, b in exps.items()))
+    if fit_results:
+        print()
+        print(report.fits_table(fit_results))
+    if curves is not None:
+        print()
+        print(f"Training: {curves.steps} steps, largest relative loss difference "
+              f"{curves.max_rel_diff:.2e}: {'same curve' if curves.same else 'CURVES DIFFER'}")
+    print()
+    print(f"Wall time {wall:.0f} s. Written: " + ", ".join(sorted(written.values())))
+    bad = [r for r in rows if r.result.grads_equal is False]
+    if bad:
+        print("GRADIENTS DIFFER for: " + ", ".join(f"{r.model} {r.size} {r.variant}" for r in bad))
+        return 1
+    if curves is not None and not curves.same:
+        return 1
+    return 0
+
+
+def _quick_defaults(args) -> None:
+    """Fill the options left unset: full defaults, or tiny ones with --quick."""
+    for name, full, quick in (("steps", 5, 2), ("cap_mb", 64.0, 0.6), ("train_steps", 50, 5)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+
+
+def _fits(args, rows, specs, device, fits_lib, models):
+    from . import report
+
+    resnet_specs = [s for s in specs if s.name == "resnet"]
+    extra = {k: v for k, v in resnet_specs[0].size.items() if k not in ("depth", "batch")} if resnet_specs else {}
+    fit_variants = [v for v in _csv(args.fits_variants)]
+    if args.fits_over == "depth":
+        batch = args.fits_batch or (resnet_specs[0].size.get("batch") if resnet_specs else 32)
+        axis = fits_lib.resnet_depth_axis(k_max=8 if args.quick else 60)
+        spec_for = lambda depth: models.resnet_spec(depth, batch, **extra)  # noqa: E731
+        same_batch = all(s.size.get("batch") == batch for s in resnet_specs)
+        known = report.series(rows, "resnet", "depth") if same_batch else {}
+        what = f"ResNet depth at batch {batch}"
+    else:
+        depth = args.fits_depth
+        axis = fits_lib.batch_axis(k_max=16 if args.quick else 4096)
+        spec_for = lambda b: models.resnet_spec(depth, b, **extra)  # noqa: E731
+        known = {}
+        what = f"batch of ResNet-{depth}"
+    print(f"Fits in {args.cap_mb:g} MB: largest {what}, for {', '.join(fit_variants)} ...")
+    return fits_lib.fits_in(args.cap_mb, fit_variants, spec_for, axis, known=known, device=device,
+                            budget_fraction=args.budget_fraction,
+                            on_probe=lambda v, x, mb: print(
+                                f"  {v}: {axis.name} {x}: " + ("error" if mb is None else f"{mb:.1f} MB"),
+                                flush=True))
+
+
+def _scaling_section() -> Optional[str]:
+    try:
+        from .. import scaling  # written separately (issue 6); optional here
+    except ImportError:
+        print("note: memory_saving_gradients.scaling not found; no rewrite-time rows")
+        return None
+    for name in ("markdown_table", "run_markdown", "report"):
+        fn = getattr(scaling, name, None)
+        if callable(fn):
+            return str(fn())
+    print("note: memory_saving_gradients.scaling has no markdown_table(); no rewrite-time rows")
+    return None
+
+
+def _load() -> str:
+    try:
+        return "%.1f" % os.getloadavg()[0]
+    except OSError:  # pragma: no cover
+        return "?"
+
+
+def _header(args, argv, device, wall, load_before, tf) -> str:
+    command = "python -m memory_saving_gradients.benchmark " + " ".join(
+        argv if argv is not None else sys.argv[1:])
+    return "\n".join([
+        "# Benchmark results",
+        "",
+        f"- command: `{command.strip()}`",
+        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; wall time {wall:.0f} s",
+        f"- TensorFlow {tf.__version__}, Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs, device: {device or 'default (CPU)'}; "
+        f"1-min load average {load_before} at start, {_load()} at end",
+        "- peaks: measured from the allocator records of a traced step (second traced run), "
+        "default ConfigProto; times: median of untraced steps, variants interleaved; ratios only "
+        "between variants measured together in this run",
+        "",
+    ])

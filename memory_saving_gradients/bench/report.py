@@ -1,0 +1,326 @@
+"""Tables and plots of a benchmark run: CSV, Markdown, PNG.
+
+Plots need matplotlib (the ``bench`` extra); without it the tables are
+still written and the plots are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .core import MB
+
+COLUMNS = [
+    "model", "size", "batch", "variant", "peak_mb", "peak_ratio", "step_s", "time_ratio",
+    "rewrite_s", "predicted_peak_mb", "grads_equal", "note",
+]
+
+HEADERS = {
+    "model": "model", "size": "size", "batch": "batch", "variant": "variant",
+    "peak_mb": "peak MB", "peak_ratio": "peak / tf.gradients", "step_s": "step s (median)",
+    "time_ratio": "time / tf.gradients", "rewrite_s": "rewrite s",
+    "predicted_peak_mb": "plan() predicted MB", "grads_equal": "grads equal", "note": "note",
+}
+
+
+def fit_power_law(xs: Sequence[float], ys: Sequence[float]) -> Tuple[float, float]:
+    """(exponent b, scale a) of the least-squares fit ``y = a * x**b`` in log-log space."""
+    x = np.log(np.asarray(xs, dtype=np.float64))
+    y = np.log(np.asarray(ys, dtype=np.float64))
+    if x.size < 2 or np.ptp(x) == 0:
+        raise ValueError("a power-law fit needs at least two distinct x values")
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(slope), float(math.exp(intercept))
+
+
+def row_dict(row) -> Dict[str, object]:
+    """A sweep Row as a flat dict of the table's columns (numbers unformatted)."""
+    res = row.result
+    note = ""
+    if res.error:
+        note = _short_error(res.error)
+    elif res.budget_bytes:
+        note = f"budget {res.budget_bytes / MB:.1f} MB"
+    return {
+        "model": res.model,
+        "size": res.size,
+        "batch": res.batch,
+        "variant": res.variant,
+        "peak_mb": None if res.peak_bytes is None else res.peak_bytes / MB,
+        "peak_ratio": row.peak_ratio,
+        "step_s": res.median_step_seconds,
+        "time_ratio": row.time_ratio,
+        "rewrite_s": res.rewrite_seconds if res.ok else None,
+        "predicted_peak_mb": (None if res.predicted_peak_bytes is None
+                              else res.predicted_peak_bytes / MB),
+        "grads_equal": None if res.grads_equal is None else ("yes" if res.grads_equal else "NO"),
+        "note": note,
+    }
+
+
+def _short_error(error: str) -> str:
+    if "memory_budget" in error and "cannot be met" in error:
+        tail = error.split("smallest peak", 1)[-1]
+        mb = tail.split("MB", 1)[0].split()[-1] if "MB" in tail else "?"
+        return f"budget infeasible (smallest peak plan() finds: {mb} MB)"
+    return error[:160]
+
+
+def _fmt(column: str, value) -> str:
+    if value is None:
+        return ""
+    if column in ("peak_mb", "predicted_peak_mb"):
+        return f"{value:.1f}"
+    if column in ("peak_ratio", "time_ratio"):
+        return f"{value:.3f}x" if column == "peak_ratio" else f"{value:.2f}x"
+    if column in ("step_s", "rewrite_s"):
+        return f"{value:.3f}" if value < 10 else f"{value:.1f}"
+    return str(value)
+
+
+def write_csv(rows, path: str) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            d = row_dict(row)
+            writer.writerow({k: ("" if v is None else (f"{v:.6g}" if isinstance(v, float) else v))
+                             for k, v in d.items()})
+
+
+def markdown_table(rows, columns: Sequence[str] = COLUMNS) -> str:
+    lines = ["| " + " | ".join(HEADERS[c] for c in columns) + " |",
+             "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        d = row_dict(row)
+        lines.append("| " + " | ".join(_fmt(c, d[c]) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def exponents(rows, model: str = "resnet", key: str = "depth") -> Dict[str, float]:
+    """Per variant, the fitted exponent of peak vs ``key`` (needs >= 2 sizes)."""
+    out = {}
+    for variant, points in series(rows, model, key).items():
+        if len({x for x, _ in points}) >= 2:
+            out[variant] = fit_power_law([x for x, _ in points], [y for _, y in points])[0]
+    return out
+
+
+def series(rows, model: str = "resnet", key: str = "depth") -> Dict[str, List[Tuple[float, float]]]:
+    """Per variant, sorted (size value, peak MB) points of one model with the same other sizes."""
+    out: Dict[str, List[Tuple[float, float]]] = {}
+    for row in rows:
+        res = row.result
+        if res.model != model or not res.ok:
+            continue
+        value = _size_value(res.size, key)
+        if value is None:
+            continue
+        out.setdefault(res.variant, []).append((value, res.peak_bytes / MB))
+    return {v: sorted(p) for v, p in out.items()}
+
+
+def _size_value(size_label: str, key: str) -> Optional[float]:
+    for part in size_label.split():
+        name, _, value = part.partition("=")
+        if name == key:
+            try:
+                return float(value)
+            except ValueError:
+                return None
+    return None
+
+
+def fits_table(fits) -> str:
+    if not fits:
+        return ""
+    lines = [
+        f"| variant | largest {fits[0].axis} under {fits[0].cap_mb:g} MB | measured peak MB "
+        f"| vs tf.gradients | probes ({fits[0].axis}: MB) |",
+        "|---|---|---|---|---|",
+    ]
+    for f in fits:
+        if f.error and f.largest is None:
+            largest = f.error[:80]
+        else:
+            largest = "none" if f.largest is None else str(f.largest) + (" (search limit)" if f.hit_limit else "")
+        probes = ", ".join(f"{v}: {_mb(mb)}" for v, mb in f.probes)
+        peak = "" if f.peak_mb is None else f"{f.peak_mb:.1f}"
+        ratio = "" if f.ratio is None else f"{f.ratio:.2f}x"
+        lines.append(f"| {f.variant} | {largest} | {peak} | {ratio} | {probes} |")
+    return "\n".join(lines)
+
+
+def _mb(mb) -> str:
+    if mb is None:
+        return "err"
+    return f"{mb:.0f}" if mb >= 10 else f"{mb:.2g}"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_peak_vs_depth(rows, path: str, model: str = "resnet", key: str = "depth") -> Optional[str]:
+    """Log-log peak MB vs depth per variant, fitted exponents in the legend."""
+    plt = _pyplot()
+    data = series(rows, model, key)
+    data = {v: p for v, p in data.items() if len({x for x, _ in p}) >= 2}
+    if plt is None or not data:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+    for variant, points in data.items():
+        xs = [x for x, _ in points]
+        ys = [y for _, y in points]
+        b, a = fit_power_law(xs, ys)
+        line, = ax.plot(xs, ys, "o-", label=f"{variant}  (exponent {b:.2f})")
+        grid = np.geomspace(min(xs), max(xs), 50)
+        ax.plot(grid, a * grid ** b, ":", color=line.get_color(), alpha=0.6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"{model} {key}")
+    ax.set_ylabel("measured peak memory of one training step (MB)")
+    batch = next((r.result.batch for r in rows if r.result.model == model), "")
+    ax.set_title(f"Peak memory vs {key}: {model}, batch {batch} (fit: MB = a * {key}^b)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_time_overhead(rows, path: str) -> Optional[str]:
+    """Grouped bars: step-time ratio to tf.gradients per variant, per model size."""
+    plt = _pyplot()
+    groups: Dict[str, Dict[str, float]] = {}
+    for row in rows:
+        if row.time_ratio is None:
+            continue
+        res = row.result
+        label = f"{res.model}\n{res.size}".replace(" ", "\n", 1) if len(res.size) < 18 else (
+            f"{res.model}\n{_short_size(res.size)}")
+        groups.setdefault(label, {})[res.variant] = row.time_ratio
+    if plt is None or not groups:
+        return None
+    variants = []
+    for g in groups.values():
+        for v in g:
+            if v not in variants:
+                variants.append(v)
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.3 * len(groups) + 2), 5))
+    width = 0.8 / max(1, len(variants))
+    for i, variant in enumerate(variants):
+        xs = [j + i * width for j, g in enumerate(groups.values()) if variant in g]
+        ys = [g[variant] for g in groups.values() if variant in g]
+        ax.bar(xs, ys, width, label=variant)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+    ax.set_xticklabels(list(groups), fontsize=7)
+    ax.set_ylabel("median step time / tf.gradients")
+    ax.set_title("Time overhead (ratios measured in the same run, steps interleaved)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _short_size(size: str) -> str:
+    keep = ("depth", "layers", "levels", "n")
+    parts = [p for p in size.split() if p.split("=")[0] in keep]
+    return " ".join(parts) or size[:16]
+
+
+def plot_loss_curves(curves, path: str) -> Optional[str]:
+    plt = _pyplot()
+    if plt is None or curves is None:
+        return None
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(7.5, 6), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 1]})
+    steps = np.arange(1, len(curves.baseline) + 1)
+    ax.plot(steps, curves.baseline, "-", linewidth=3, alpha=0.5, label="tf.gradients")
+    ax.plot(steps, curves.checkpointed, "k--", linewidth=1,
+            label=f"memory_saving_gradients ('{curves.strategy}')")
+    ax.set_ylabel("training loss (before each SGD step)")
+    ax.set_title(f"Same training: {curves.steps} SGD steps, lr {curves.learning_rate:g}, dropout off")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    diff = np.abs(np.asarray(curves.checkpointed) - np.asarray(curves.baseline))
+    ax2.plot(steps, diff, ".-")
+    ax2.set_ylabel("|difference|")
+    ax2.set_xlabel("step")
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
+                  header: str = "") -> Dict[str, str]:
+    """Write results.csv, results.md and the PNGs; return {kind: path} of what was written."""
+    os.makedirs(out_dir, exist_ok=True)
+    written = {}
+    path = os.path.join(out_dir, "results.csv")
+    write_csv(rows, path)
+    written["csv"] = path
+    if fits:
+        path = os.path.join(out_dir, "fits.csv")
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["variant", "cap_mb", "axis", "largest", "peak_mb", "ratio", "probes", "error"])
+            for fit in fits:
+                w.writerow([fit.variant, fit.cap_mb, fit.axis, fit.largest or "",
+                            "" if fit.peak_mb is None else f"{fit.peak_mb:.3f}",
+                            "" if fit.ratio is None else f"{fit.ratio:.3f}",
+                            ";".join(f"{v}:{'' if mb is None else f'{mb:.3f}'}" for v, mb in fit.probes),
+                            fit.error or ""])
+        written["fits_csv"] = path
+    for kind, fn, name in (
+        ("peak_png", lambda p: plot_peak_vs_depth(rows, p), "peak_vs_depth.png"),
+        ("time_png", lambda p: plot_time_overhead(rows, p), "time_overhead.png"),
+        ("loss_png", lambda p: plot_loss_curves(curves, p), "loss_curves.png"),
+    ):
+        result = fn(os.path.join(out_dir, name))
+        if result:
+            written[kind] = result
+    md = [header] if header else []
+    md += ["## Measured peak memory and step time", "", markdown_table(rows), ""]
+    exps = exponents(rows)
+    if exps:
+        md += ["## Peak memory vs ResNet depth: fitted exponent (MB = a * depth^b)", "",
+               "| variant | exponent b |", "|---|---|"]
+        md += [f"| {v} | {b:.2f} |" for v, b in exps.items()] + [""]
+    if fits:
+        md += [f"## Fits in {fits[0].cap_mb:g} MB", "", fits_table(fits), ""]
+    if curves is not None:
+        md += ["## Training behaviour", "",
+               f"{curves.steps} SGD steps of {curves.model} (lr {curves.learning_rate:g}): "
+               f"tf.gradients loss {curves.baseline[0]:.4f} -> {curves.baseline[-1]:.4f}; "
+               f"'{curves.strategy}' loss {curves.checkpointed[0]:.4f} -> {curves.checkpointed[-1]:.4f}; "
+               f"largest relative difference {curves.max_rel_diff:.2e} "
+               f"({'same curve' if curves.same else 'CURVES DIFFER'} within {curves.rtol:g}).", ""]
+    for title, body in extra_sections:
+        md += [f"## {title}", "", body, ""]
+    for kind, label in (("peak_png", "Peak vs depth"), ("time_png", "Time overhead"),
+                        ("loss_png", "Loss curves")):
+        if kind in written:
+            md.append(f"![{label}]({os.path.basename(written[kind])})")
+    path = os.path.join(out_dir, "results.md")
+    with open(path, "w") as f:
+        f.write("\n".join(md).rstrip() + "\n")
+    written["md"] = path
+    return written
