@@ -13,8 +13,9 @@ recomputed (their outputs are kept), and Keras' dropout draws its mask with a
 stateless op from that kept seed, so a recomputed mask equals the original.
 
 ``run_eagerly=True`` trains normally (a warning is logged: nothing can be
-rewritten eagerly).  With ``jit_compile=True`` XLA compiles the rewritten
-step; whether it keeps the recomputation is up to XLA.
+rewritten eagerly).  With ``jit_compile=True`` (Keras' default where a GPU is
+visible) the step trains correctly but XLA merges the recomputed copies back
+into the forward pass, so nothing is saved; ``enable`` logs a warning.
 
 Keras is imported only when this module's functions are called.
 """
@@ -67,6 +68,13 @@ def enable(model, checkpoints="memory", **options):
         raise TypeError(
             "enable() takes a strategy name (e.g. 'memory', 'speed'): Keras builds the "
             "graph later, so tensors cannot be named in advance."
+        )
+    if getattr(model, "jit_compile", False) is True:
+        logger.warning(
+            "memory_saving_gradients.keras.enable: this model compiles its train step "
+            "with XLA (jit_compile=True, Keras' default on GPUs), and XLA merges the "
+            "recomputed copies back into the forward pass, so no memory is saved. "
+            "Use model.compile(..., jit_compile=False) to save memory."
         )
     setattr(model, _ATTRIBUTE, dict(options, checkpoints=checkpoints))
     model.train_step = types.MethodType(_train_step, model)

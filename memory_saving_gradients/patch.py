@@ -207,7 +207,9 @@ def patch(checkpoints="memory", **options) -> Patch:
       A :class:`Patch`; call ``undo()`` (or use it in a ``with`` block) to
       restore exactly the functions that were there.
     """
-    if not isinstance(checkpoints, str):
+    if isinstance(checkpoints, tf.Tensor):
+        checkpoints = [checkpoints]
+    elif not isinstance(checkpoints, str):
         checkpoints = list(checkpoints)
     handle = Patch(checkpoints, options)
     with _lock:
