@@ -150,7 +150,7 @@ def test_library_never_calls_through_the_patched_names(graph):
 
 def test_patched_tf_gradients_in_tf_function_equals_tensorflow():
     w = tf.Variable(tf.random.stateless_normal([32, 32], seed=[1, 2]) * 0.3)
-    x = tf.random.stateless_normal([16, 32], seed=[3, 4])
+    x = tf.random.stateless_normal([512, 32], seed=[3, 4])  # activations outweigh w
 
     def loss_and_checkpoints():
         h, acts = x, []
@@ -178,9 +178,10 @@ def test_patched_tf_gradients_in_tf_function_equals_tensorflow():
         g1, g2 = ours()
         graph = ours.get_concrete_function().graph
     _assert_original()
-    expected = theirs()
-    np.testing.assert_allclose(g1.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(g2.numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+    expected = theirs().numpy()
+    scale = np.abs(expected).max()  # float32 round-off: summation order differs
+    np.testing.assert_allclose(g1.numpy(), expected, rtol=1e-4, atol=1e-6 * scale)
+    np.testing.assert_allclose(g2.numpy(), expected, rtol=1e-4, atol=1e-6 * scale)
     assert len(_recompute_ops(graph)) > 0
 
 
@@ -188,7 +189,7 @@ def _minimize_update(graph_maker):
     """Run one minimize step; return (new first-layer weights, recompute op count)."""
     g = tf.Graph()
     with g.as_default():
-        loss, feed, _ = _mlp(depth=6, width=32, batch=16)
+        loss, feed, _ = _mlp(depth=8, width=32, batch=512)
         train = graph_maker(loss)
         w0 = [v for v in tf.compat.v1.trainable_variables() if v.name.startswith("w0")][0]
         with tf.compat.v1.Session() as sess:
@@ -227,7 +228,7 @@ def test_classic_assignments_keep_working(name):
     original_v2, original_ops = tf.gradients, tf_ops_gradients.gradients
     g = tf.Graph()
     with g.as_default():
-        loss, feed, acts = _mlp(depth=6, width=32, batch=16)
+        loss, feed, acts = _mlp(depth=8, width=32, batch=512)
         for t in acts[1::3]:
             tf.compat.v1.add_to_collection("checkpoints", t)
         variables = tf.compat.v1.trainable_variables()
