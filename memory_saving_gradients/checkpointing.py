@@ -272,21 +272,24 @@ def _backprop(
             segment = graph_lib.segment_for(targets, region, kept)
         waits = [t.op for t in targets] + [
             part.op for g in target_grads for part in rewrite.tensors_of(g)
-        ]
+        ] + previous_results
         if segment.recompute:
             differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
             inputs = rewrite.proxies(differentiable, f"recompute_{index}/inputs")
             copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")
-            input_grads = tf_gradients(
-                [copies[t.ref()] for t in targets],
-                list(inputs.values()),
-                grad_ys=target_grads,
-                name=f"backprop_{index}",
-                colocate_gradients_with_ops=colocate_gradients_with_ops,
-                gate_gradients=gate_gradients,
-                aggregation_method=aggregation_method,
-                stop_gradients=list(inputs.values()) + [copies.get(s.ref(), s) for s in stops],
-            )
+            try:
+                input_grads = tf_gradients(
+                    [copies[t.ref()] for t in targets],
+                    list(inputs.values()),
+                    grad_ys=target_grads,
+                    name=f"backprop_{index}",
+                    colocate_gradients_with_ops=colocate_gradients_with_ops,
+                    gate_gradients=gate_gradients,
+                    aggregation_method=aggregation_method,
+                    stop_gradients=list(inputs.values()) + [copies.get(s.ref(), s) for s in stops],
+                )
+            except LookupError as error:
+                raise _naming_original(error, segment.ops, copies) from error
             segment_inputs = differentiable
         elif graph_lib.is_differentiable_in_place(op):
             with tf.name_scope(f"backprop_{index}"):
@@ -326,6 +329,19 @@ def _backprop(
             g = rewrite.zeros_like_gradient(x)
         results.append(g)
     return results
+
+
+def _naming_original(error: LookupError, ops, copies) -> LookupError:
+    """TensorFlow's "no gradient" error about a recomputed copy, naming the user's op."""
+    message = str(error)
+    for op in ops:
+        if op.outputs and f"'{copies[op.outputs[0].ref()].op.name}'" in message:
+            copy_name = copies[op.outputs[0].ref()].op.name
+            return LookupError(
+                message.replace(f"'{copy_name}'", f" '{op.name}'", 1)
+                + f" (Raised while differentiating its recomputed copy '{copy_name}'.)"
+            )
+    return error
 
 
 def _as_list(value) -> list:
