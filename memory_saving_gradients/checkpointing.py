@@ -272,7 +272,7 @@ def _backprop(
             segment = graph_lib.segment_for(targets, region, kept)
         waits = [t.op for t in targets] + [
             part.op for g in target_grads for part in rewrite.tensors_of(g)
-        ] + previous_results
+        ]
         if segment.recompute:
             differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
             inputs = rewrite.proxies(differentiable, f"recompute_{index}/inputs")
