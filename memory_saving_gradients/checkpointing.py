@@ -256,6 +256,7 @@ def _backprop(
         {constructs[t.op][-1] if t.op in constructs else t.op for t in kept.values() if t.op in region},
         key=graph_lib.op_order, reverse=True,
     )
+    previous_results: list = []
     for index, op in enumerate(groups):
         members = constructs.get(op, (op,))
         targets = [
@@ -272,7 +273,7 @@ def _backprop(
             segment = graph_lib.segment_for(targets, region, kept)
         waits = [t.op for t in targets] + [
             part.op for g in target_grads for part in rewrite.tensors_of(g)
-        ]
+        ] + previous_results
         if segment.recompute:
             differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
             inputs = rewrite.proxies(differentiable, f"recompute_{index}/inputs")
@@ -313,6 +314,13 @@ def _backprop(
                 aggregation_method=aggregation_method,
                 stop_gradients=segment_inputs + list(stops),
             )
+        if segment.recompute:
+            # The next recomputation waits for all of this one's gradients:
+            # segments whose gradients are ready together would otherwise
+            # recompute at the same time.
+            previous_results = [
+                part.op for g in input_grads if g is not None for part in rewrite.tensors_of(g)
+            ] or previous_results
         for t, g in zip(segment_inputs, input_grads):
             if g is not None and t.ref() in kept:
                 if t.ref() in totals:
