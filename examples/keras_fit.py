@@ -32,13 +32,13 @@ import memory_saving_gradients.keras  # noqa: E402,F401
 
 def build_model(layers: int, width: int, inputs: int, dropout: float = 0.0) -> keras.Model:
     """``layers`` x (Dense(width) + ReLU [+ Dropout]), then Dense(1)."""
-    model = keras.Sequential([keras.Input((inputs,))])
+    stack = [keras.Input((inputs,))]
     for _ in range(layers):
-        model.add(keras.layers.Dense(width, activation="relu", kernel_initializer="he_normal"))
+        stack.append(keras.layers.Dense(width, activation="relu", kernel_initializer="he_normal"))
         if dropout:
-            model.add(keras.layers.Dropout(dropout))
-    model.add(keras.layers.Dense(1))
-    return model
+            stack.append(keras.layers.Dropout(dropout))
+    stack.append(keras.layers.Dense(1))
+    return keras.Sequential(stack)  # built once (Sequential.add rebuilds every time)
 
 
 def main(argv=None) -> dict:

@@ -52,14 +52,13 @@ def _data(batch=512, inputs=16, seed=0):
 
 def _model(dropout: float, blocks: int = 6, width: int = 32, inputs: int = 16):
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((inputs,))])
+    stack = [keras.Input((inputs,))]
     for _ in range(blocks):
-        model.add(keras.layers.Dense(width))
-        model.add(keras.layers.BatchNormalization())
-        model.add(keras.layers.Activation("relu"))
+        stack += [keras.layers.Dense(width), keras.layers.BatchNormalization(),
+                  keras.layers.Activation("relu")]
         if dropout:
-            model.add(keras.layers.Dropout(dropout))
-    model.add(keras.layers.Dense(1))
+            stack.append(keras.layers.Dropout(dropout))
+    model = keras.Sequential(stack + [keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse",
                   metrics=["mae"])
     return model
