@@ -18,7 +18,6 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 keras = pytest.importorskip("keras")
 
