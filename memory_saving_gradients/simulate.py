@@ -184,10 +184,12 @@ class _Gradients:
             for key in self.pending.pop(t.ref(), []):
                 self.timeline.buffers[key][1] = step
 
-    def finish(self) -> None:
+    def finish(self, keep: bool = True) -> None:
+        """Gradients never consumed (those of xs): fetched (kept to the end) or used at once."""
         for keys in self.pending.values():
             for key in keys:
-                self.timeline.buffers[key][1] = _END
+                buffer = self.timeline.buffers[key]
+                buffer[1] = _END if keep else buffer[0]
 
 
 def _backward_op(op, step, timeline, grads, region, xs_refs, size, rename=lambda k: k):
@@ -204,9 +206,17 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, rename=lambda
 
 
 def predict_baseline(
-    region, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], unknown_dim: int = 1
+    region,
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    unknown_dim: int = 1,
+    fetched: bool = True,
 ) -> Prediction:
-    """Predicted peak of plain ``tf.gradients`` over the region."""
+    """Predicted peak of plain ``tf.gradients`` over the region.
+
+    ``fetched``: the gradients of xs stay to the end of the step (fetched);
+    otherwise each is used as soon as it is made (e.g. by an optimizer's update).
+    """
     size = Sizer(unknown_dim)
     timeline = _Timeline()
     grads = _Gradients(timeline)
@@ -217,7 +227,7 @@ def predict_baseline(
     for op in reversed(region.order):
         step += 1
         _backward_op(op, step, timeline, grads, region, xs_refs, size)
-    grads.finish()
+    grads.finish(fetched)
     forward_flops = sum(op_flops(op) for op in region.order)
     return Prediction(timeline.peak(step + 1), 0.0, forward_flops, size.assumptions())
 
@@ -228,8 +238,10 @@ def predict_checkpointed(
     xs: Sequence[tf.Tensor],
     checkpoints: Sequence[tf.Tensor],
     unknown_dim: int = 1,
+    fetched: bool = True,
 ) -> Prediction:
-    """Predicted peak of :func:`checkpointing.gradients` with these checkpoints."""
+    """Predicted peak of :func:`checkpointing.gradients` with these checkpoints (see
+    :func:`predict_baseline` for ``fetched``)."""
     size = Sizer(unknown_dim)
     timeline = _Timeline()
     grads = _Gradients(timeline)
@@ -272,7 +284,7 @@ def predict_checkpointed(
         for seg_op in reversed(segment.ops):
             step += 1
             _backward_op(seg_op, step, timeline, grads, region, xs_refs, size, rename)
-    grads.finish()
+    grads.finish(fetched)
     forward_flops = sum(op_flops(op) for op in region.order)
     return Prediction(
         timeline.peak(step + 1), recompute_flops, forward_flops, size.assumptions()

@@ -111,7 +111,13 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
     cuts = graph_lib.live_cuts(region, size, simulate.op_flops, simulate.ALIAS_OP_TYPES)
     if not cuts.positions:
         return MemoryPlan([], 0)
-    fixed = sum(graph_lib.tensor_bytes(x, unknown_dim) for x in xs if graph_lib.is_differentiable(x))
+    # With a budget, plans are judged as plan() reports them: the gradients of
+    # xs fetched, alive to the end.  Without one, as in a training step, where
+    # each is used by its update at once (else large weights hide the saving).
+    fetched = memory_budget is not None
+    fixed = sum(
+        graph_lib.tensor_bytes(x, unknown_dim) for x in xs if graph_lib.is_differentiable(x)
+    ) if fetched else 0
     problem = budget_lib.CutProblem(cuts, fixed)
 
     def proposal(model_budget):
@@ -121,7 +127,9 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
         tensors = [
             t for i in solution[0] for t in cuts.tensors[i - 1] if graph_lib.is_recomputable(t.op)
         ]
-        peak = simulate.predict_checkpointed(region, ys, xs, tensors, unknown_dim).peak_bytes
+        peak = simulate.predict_checkpointed(
+            region, ys, xs, tensors, unknown_dim, fetched
+        ).peak_bytes
         return peak, solution[1], tensors
 
     def near_floor():
@@ -136,7 +144,7 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
         peak, _, tensors = min(
             (p for p in proposals if p[0] <= 1.05 * lowest), key=lambda p: (p[1], p[0])
         )
-        baseline = simulate.predict_baseline(region, ys, xs, unknown_dim).peak_bytes
+        baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched).peak_bytes
         if peak >= baseline:
             return MemoryPlan([], baseline)
         return MemoryPlan(tensors, peak)
