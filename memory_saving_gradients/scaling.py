@@ -1,0 +1,216 @@
+"""How long the rewrite takes on large graphs, next to ``tf.compat.v1.gradients``.
+
+``rewrite_times()`` builds each model at graphs of about ``sizes`` ops (a
+deep chain of small residual blocks, a very deep CIFAR ResNet, a many-layer
+transformer, from ``test_models`` in a source checkout) and times, in the
+same process, TensorFlow's ``gradients`` building the backward pass and
+``gradients(..., checkpoints=...)`` building the checkpointed one, each on a
+freshly built copy of the same graph.  Model building is outside the timed
+sections.  Times are CPU seconds of this process (``time.process_time``):
+graph construction is single-threaded, and CPU time is far less disturbed
+than wall time by other work on the machine.  Compare ratios measured in the
+same run, never absolute seconds across runs.
+
+Checkpoints: ``'memory'`` where that strategy exists, else every
+~sqrt(n)-th unit output.
+
+Run ``python -m memory_saving_gradients.scaling`` for a markdown table (the
+100k-op rows take several minutes each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import math
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from ._tensorflow import tf, tf_gradients
+from . import checkpointing
+from . import strategies
+
+logger = logging.getLogger("memory_saving_gradients")
+
+DEFAULT_MODELS = ("chain", "resnet", "transformer")
+DEFAULT_SIZES = (10_000, 100_000)
+
+
+# ---- models -------------------------------------------------------------------------
+
+def _raw_residual_stack(blocks: int, width: int = 8):
+    """A stack of small residual blocks in raw ops, for checkouts without test_models."""
+    x = tf.compat.v1.placeholder(tf.float32, [4, width], name="x")
+    w = tf.Variable(tf.random.stateless_normal([width, width], seed=[1, 2]) * 0.1, name="w")
+    h = x
+    units = []
+    for _ in range(blocks):
+        h = h + tf.tanh(tf.matmul(tf.tanh(h), w))
+        units.append(h)
+    return tf.reduce_sum(h), [x, w], units
+
+
+def _builders() -> Dict[str, Tuple[str, int, Callable]]:
+    """name -> (size keyword, smallest value, fn(value) -> (loss, xs, units)) in the default graph."""
+    builders: Dict[str, Tuple[str, int, Callable]] = {}
+    try:
+        import test_models  # noqa: F401  (a source checkout has it)
+    except ImportError:
+        test_models = None
+    if test_models is not None and "chain" in test_models.MODELS:
+        def chain(n):
+            m = test_models.build("chain", kind="residual", n=int(n), size=16)
+            return m.loss, list(m.inputs), list(m.units)
+        builders["chain"] = ("n", 8, chain)
+    else:
+        builders["chain"] = ("blocks", 8, _raw_residual_stack)
+    if test_models is not None and "resnet" in test_models.MODELS:
+        def resnet(depth):
+            m = test_models.build("resnet", depth=int(depth), batch=2, width=4)
+            return m.loss, list(m.params), list(m.units)
+        builders["resnet"] = ("depth", 8, resnet)
+    else:
+        builders["resnet"] = ("blocks", 8, _raw_residual_stack)
+    if test_models is not None and "transformer" in test_models.MODELS:
+        def transformer(layers):
+            m = test_models.build("transformer", layers=int(layers), d_model=16, heads=2,
+                                  seq_len=8, vocab=32, batch=2)
+            return m.loss, list(m.params), list(m.units)
+        builders["transformer"] = ("layers", 1, transformer)
+    return builders
+
+
+def _legal(model: str, value: int) -> int:
+    if model == "resnet" and value >= 8:  # CIFAR ResNet depth is 6n + 2
+        return 6 * max(1, round((value - 2) / 6)) + 2
+    return max(1, int(round(value)))
+
+
+def _count_ops(build: Callable, value: int) -> int:
+    graph = tf.Graph()
+    with graph.as_default():
+        build(value)
+    return len(graph.get_operations())
+
+
+def sizes_for(model: str, targets: Sequence[int], builders=None) -> Tuple[str, List[int]]:
+    """The size keyword, and the values that give about ``targets`` ops (fitted on two probes)."""
+    builders = builders or _builders()
+    key, low, build = builders[model]
+    a, b = _legal(model, low), _legal(model, low * 4)
+    ops_a, ops_b = _count_ops(build, a), _count_ops(build, b)
+    per_unit = (ops_b - ops_a) / (b - a)
+    return key, [max(_legal(model, a + (t - ops_a) / per_unit), a) for t in targets]
+
+
+def size_for(model: str, target_ops: int, builders=None) -> Tuple[str, int]:
+    """The size keyword and value that give about ``target_ops`` ops."""
+    key, values = sizes_for(model, [target_ops], builders)
+    return key, values[0]
+
+
+# ---- timing -------------------------------------------------------------------------
+
+def _checkpoints_for(units: Sequence) -> Tuple[object, str]:
+    if "memory" in strategies.available():
+        return "memory", "'memory'"
+    step = max(1, int(math.sqrt(len(units))))
+    return list(units[step - 1::step]), f"every {step}th of {len(units)} units"
+
+
+def _timed(fn: Callable) -> float:
+    gc.collect()
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
+
+
+def time_one(model: str, value: int, builders=None) -> dict:
+    """Times for one model size: tf.gradients and gradients() on fresh copies of the graph."""
+    builders = builders or _builders()
+    key, _, build = builders[model]
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, _ = build(value)
+        ops = len(graph.get_operations())
+        tf_seconds = _timed(lambda: tf_gradients(loss, xs))
+        tf_added = len(graph.get_operations()) - ops
+    del graph, loss, xs
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, units = build(value)
+        checkpoints, how = _checkpoints_for(units)
+        ours_seconds = _timed(lambda: checkpointing.gradients(loss, xs, checkpoints=checkpoints))
+        ours_added = len(graph.get_operations()) - ops
+    del graph, loss, xs, units
+    gc.collect()
+    return dict(model=model, size_key=key, size=value, ops=ops, checkpoints=how,
+                tf_seconds=tf_seconds, ours_seconds=ours_seconds,
+                ratio=ours_seconds / tf_seconds if tf_seconds > 0 else math.inf,
+                tf_ops_added=tf_added, ours_ops_added=ours_added)
+
+
+def rewrite_times(models: Sequence[str] = DEFAULT_MODELS,
+                  sizes: Sequence[int] = DEFAULT_SIZES,
+                  on_row: Optional[Callable[[dict], None]] = None) -> List[dict]:
+    """One dict per (model, size): ops, seconds for tf.gradients and for gradients(),
+    their ratio, and (from the second size on) how time grew against ops."""
+    builders = _builders()
+    rows: List[dict] = []
+    for model in models:
+        if model not in builders:
+            logger.warning("scaling: no builder for model %r; skipped", model)
+            continue
+        previous = None
+        _, values = sizes_for(model, sizes, builders)
+        for target, value in zip(sizes, values):
+            row = time_one(model, value, builders)
+            row["target_ops"] = target
+            if previous is not None:
+                row["ops_growth"] = row["ops"] / previous["ops"]
+                row["time_growth"] = row["ours_seconds"] / previous["ours_seconds"]
+                row["tf_time_growth"] = row["tf_seconds"] / previous["tf_seconds"]
+            rows.append(row)
+            previous = row
+            if on_row is not None:
+                on_row(row)
+    return rows
+
+
+def markdown_table(rows: Optional[List[dict]] = None, **kwargs) -> str:
+    """The rows of :func:`rewrite_times` (run now if not given) as a markdown table."""
+    if rows is None:
+        rows = rewrite_times(**kwargs)
+    lines = [
+        "| model | size | ops | checkpoints | tf.gradients s | gradients() s | ratio | "
+        "ops growth | time growth (ours / tf) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        growth = (f"{r['ops_growth']:.1f}x" if "ops_growth" in r else "")
+        time_growth = (f"{r['time_growth']:.1f}x / {r['tf_time_growth']:.1f}x"
+                       if "time_growth" in r else "")
+        lines.append(
+            f"| {r['model']} | {r['size_key']}={r['size']} | {r['ops']} | {r['checkpoints']} | "
+            f"{r['tf_seconds']:.2f} | {r['ours_seconds']:.2f} | {r['ratio']:.2f} | "
+            f"{growth} | {time_growth} |")
+    lines.append("")
+    lines.append("CPU seconds of graph construction (time.process_time), model building "
+                 "excluded; each variant on a fresh copy of the graph.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
+    parser.add_argument("--sizes", nargs="+", type=int, default=list(DEFAULT_SIZES))
+    args = parser.parse_args(argv)
+    rows = rewrite_times(args.models, args.sizes, on_row=lambda r: print(
+        f"{r['model']} {r['size_key']}={r['size']}: {r['ops']} ops, tf {r['tf_seconds']:.2f} s, "
+        f"ours {r['ours_seconds']:.2f} s ({r['ratio']:.2f}x)", flush=True))
+    print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()

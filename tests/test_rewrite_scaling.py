@@ -1,0 +1,116 @@
+"""The rewrite scales like ``tf.gradients``: linear time, linear Python memory.
+
+Stated expectations (issue 6), measured here at ~4x-apart sizes (the 10k/100k
+sizes are in ``memory_saving_gradients.scaling``, for the benchmark):
+
+- time: 4x the ops costs at most 6x the time, and ``gradients()`` with
+  checkpoints ('memory' where available) takes at most 3x what
+  ``tf.compat.v1.gradients`` takes to build the backward pass of the same
+  graph.  CPU seconds of this process (``time.process_time``), model building
+  excluded, both measured in this process; a size whose check fails is
+  measured once more and the smaller time kept (other work on a shared
+  machine only ever adds time).
+- memory: the peak of Python allocations during ``gradients()``
+  (``tracemalloc``) grows at most 1.5x faster than the ops (4x ops: <= 6x
+  peak), and is at most 4x that of ``tf.gradients`` on the same graph: the
+  rewrite keeps no per-candidate copies of op sets.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import tracemalloc
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+from memory_saving_gradients import scaling
+from memory_saving_gradients._tensorflow import tf_gradients
+
+SIZES = {"chain": (3_000, 12_000), "resnet": (5_000, 20_000)}
+MAX_TIME_GROWTH = 6.0   # for ~4x ops
+MAX_RATIO_TO_TF = 3.0
+
+
+@pytest.fixture(scope="module")
+def builders():
+    return scaling._builders()
+
+
+def _measure(model, value, builders):
+    return scaling.time_one(model, value, builders)
+
+
+def _best(first, again):
+    """Per variant the smaller time of two measurements of the same size."""
+    best = dict(first)
+    best["tf_seconds"] = min(first["tf_seconds"], again["tf_seconds"])
+    best["ours_seconds"] = min(first["ours_seconds"], again["ours_seconds"])
+    best["ratio"] = best["ours_seconds"] / best["tf_seconds"]
+    return best
+
+
+@pytest.mark.parametrize("model", sorted(SIZES))
+def test_rewrite_time_is_linear_and_within_3x_of_tf_gradients(model, builders, record_property):
+    _, (small_value, big_value) = scaling.sizes_for(model, SIZES[model], builders)
+    small = _measure(model, small_value, builders)
+    big = _measure(model, big_value, builders)
+    if small["ratio"] > MAX_RATIO_TO_TF:
+        small = _best(small, _measure(model, small_value, builders))
+    if big["ratio"] > MAX_RATIO_TO_TF or (
+            big["ours_seconds"] / small["ours_seconds"] > MAX_TIME_GROWTH * big["ops"] / small["ops"] / 4):
+        big = _best(big, _measure(model, big_value, builders))
+    ops_growth = big["ops"] / small["ops"]
+    time_growth = big["ours_seconds"] / small["ours_seconds"]
+    summary = (f"{model}: {small['ops']} -> {big['ops']} ops ({ops_growth:.1f}x); gradients() "
+               f"{small['ours_seconds']:.2f} -> {big['ours_seconds']:.2f} s ({time_growth:.1f}x); "
+               f"tf.gradients {small['tf_seconds']:.2f} -> {big['tf_seconds']:.2f} s; ratio "
+               f"{small['ratio']:.2f}, {big['ratio']:.2f}; checkpoints {big['checkpoints']}")
+    print(summary)
+    record_property("scaling", summary)
+    assert 3.5 <= ops_growth <= 4.5, summary
+    # Linear: 4x ops -> at most 6x time (scaled to the ops growth actually built).
+    assert time_growth <= MAX_TIME_GROWTH * ops_growth / 4, summary
+    assert small["ratio"] <= MAX_RATIO_TO_TF, summary
+    assert big["ratio"] <= MAX_RATIO_TO_TF, summary
+    # The rewrite added ops in proportion too (a copy and a gradient per op at most).
+    assert big["ours_ops_added"] <= 4 * big["tf_ops_added"], summary
+
+
+def _python_peak(build, value, ours: bool):
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, _ = build(value)
+        ops = len(graph.get_operations())
+        gc.collect()
+        tracemalloc.start()
+        try:
+            if ours:
+                msg.gradients(loss, xs, checkpoints=scaling._checkpoints_for(_)[0])
+            else:
+                tf_gradients(loss, xs)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    return ops, peak
+
+
+def test_python_memory_of_the_rewrite_is_proportional_to_the_graph(builders):
+    _, _, build = builders["resnet"]
+    _, (small_value, big_value) = scaling.sizes_for("resnet", (1_500, 6_000), builders)
+    small_ops, small_peak = _python_peak(build, small_value, ours=True)
+    big_ops, big_peak = _python_peak(build, big_value, ours=True)
+    _, tf_peak = _python_peak(build, big_value, ours=False)
+    ops_growth = big_ops / small_ops
+    summary = (f"resnet {small_ops} -> {big_ops} ops ({ops_growth:.1f}x): Python peak during "
+               f"gradients() {small_peak / 2**20:.1f} -> {big_peak / 2**20:.1f} MiB "
+               f"({big_peak / small_peak:.1f}x; {big_peak / big_ops:.0f} B/op); "
+               f"tf.gradients {tf_peak / 2**20:.1f} MiB")
+    print(summary)
+    assert big_peak / small_peak <= 1.5 * ops_growth, summary
+    assert big_peak <= 4 * tf_peak, summary
