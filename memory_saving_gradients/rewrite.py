@@ -239,4 +239,14 @@ def op_gradients(
     if gate_gradients and len([g for g in in_grads if g is not None]) > 1:
         with _ops.device(None):
             in_grads = _control_flow_ops.tuple(in_grads)
+    for i, (t, g) in enumerate(zip(op.inputs, in_grads)):
+        if isinstance(g, tf.Tensor) and t.dtype != tf.resource:
+            try:  # as tf.gradients: a gradient must fit its input (e.g. grad_ys' shapes)
+                g.set_shape(t.shape)
+            except ValueError:
+                raise ValueError(
+                    "Incompatible shapes between op input and calculated input gradient. "
+                    f"Forward operation: {op.name}. Input index: {i}. Original input shape: "
+                    f"{t.shape}. Calculated input gradient shape: {g.shape}"
+                ) from None
     return in_grads

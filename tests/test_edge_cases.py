@@ -213,13 +213,20 @@ def _same_error(make_args):
     return theirs
 
 
-@pytest.mark.parametrize("shape", [[N + 1], [N, N], [2]])
-def test_grad_ys_of_the_wrong_shape(g, shape):
+@pytest.mark.parametrize("where", ["recomputed", "in place"])
+@pytest.mark.parametrize("shape", [[N + 1], [N, N], [2], [1], []])
+def test_grad_ys_of_the_wrong_shape(g, shape, where):
+    """Broadcastable shapes ([1], []) are rejected too: tf.gradients checks every
+    gradient's shape against its input, also where we call a gradient function alone
+    (the y's op between two kept tensors is differentiated in place)."""
     x = tf.compat.v1.placeholder(tf.float32, [N])
     units = _chain(x, 5)
+    last = tf.tanh(units[-1])
+    y = last * 1.1
+    checkpoints = [units[1], units[3]] if where == "recomputed" else [units[2], last]
 
     def args():
-        return ([units[-1]], [x], {"grad_ys": [tf.ones(shape)]}, [units[1], units[3]])
+        return ([y], [x], {"grad_ys": [tf.ones(shape)]}, checkpoints)
 
     _same_error(args)
 
