@@ -9,7 +9,6 @@ with :func:`register`.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Sequence
 
 from ._tensorflow import tf
@@ -87,21 +86,15 @@ def memory(
 ) -> list:
     """Bottleneck cuts spaced by bytes, chosen by :mod:`.budget`.
 
-    Without a budget: the least peak the memory model can reach (plus 10%
-    for less recomputation).  With ``memory_budget`` (bytes): the least
+    Without a budget: the least peak the memory model can reach (or, within
+    5% of it, the plan with the least recomputation).  With ``memory_budget`` (bytes): the least
     recomputation whose predicted peak fits it; ValueError if none does.
     """
-    return memory_plan(ys, xs, region, memory_budget).checkpoints
+    return memory_checkpoints(ys, xs, region, memory_budget)
 
 
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    checkpoints: list
-    predicted_peak_bytes: int
-
-
-def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> MemoryPlan:
-    """The 'memory' strategy's choice, with the peak the memory model predicts for it.
+def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> list:
+    """The 'memory' strategy's choice of checkpoint tensors.
 
     The dynamic program of :mod:`.budget` uses a coarse model of a segment's
     memory; each plan it proposes is checked with the finer model of
@@ -110,7 +103,7 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
     size = simulate.Sizer(unknown_dim)
     cuts = graph_lib.live_cuts(region, size, simulate.op_flops, simulate.ALIAS_OP_TYPES)
     if not cuts.positions:
-        return MemoryPlan([], 0)
+        return []
     # With a budget, plans are judged as plan() reports them: the gradients of
     # xs fetched, alive to the end.  Without one, as in a training step, where
     # each is used by its update at once (else large weights hide the saving).
@@ -139,28 +132,27 @@ def memory_plan(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> Mem
     if memory_budget is None:
         proposals = near_floor()
         if not proposals:
-            return MemoryPlan([], 0)
+            return []
         lowest = min(p[0] for p in proposals)
         peak, _, tensors = min(
             (p for p in proposals if p[0] <= 1.05 * lowest), key=lambda p: (p[1], p[0])
         )
         baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched).peak_bytes
         if peak >= baseline:
-            return MemoryPlan([], baseline)
-        return MemoryPlan(tensors, peak)
+            return []
+        return tensors
     target = float(memory_budget)
     for _ in range(5):
         found = proposal(target)
         if found is None:
             break
         if found[0] <= memory_budget:
-            return MemoryPlan(found[2], found[0])
+            return found[2]
         target *= 0.97 * memory_budget / found[0]
     proposals = near_floor()
     fitting = [p for p in proposals if p[0] <= memory_budget]
     if fitting:
-        peak, _, tensors = min(fitting, key=lambda p: (p[1], p[0]))
-        return MemoryPlan(tensors, peak)
+        return min(fitting, key=lambda p: (p[1], p[0]))[2]
     lowest = min((p[0] for p in proposals), default=float("nan"))
     raise ValueError(
         f"memory_budget={memory_budget / 2**20:.1f} MB cannot be met: the smallest peak "
