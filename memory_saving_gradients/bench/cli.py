@@ -36,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help="comma-separated models from test_models/")
     p.add_argument("--depths", default=None,
-                   help="ResNet depths (6n+2), comma-separated; default 20,56,110 (quick: 8,14)")
+                   help="ResNet depths (6n+2), comma-separated; default 20,56,110,164 (quick: 8,14)")
     p.add_argument("--batch", type=int, default=None, help="batch size for every model "
                    "(default: each model's sweep size, ResNet 32)")
     p.add_argument("--size", action="append", default=[], metavar="MODEL.KEY=VALUE",
@@ -47,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
                    help="memory+budget: memory_budget as a fraction of plan()'s predicted "
                    "tf.gradients peak")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per variant (default 5; quick: 2)")
+                   help="timed steps per variant (default 7; quick: 2)")
     p.add_argument("--cap-mb", type=float, default=None,
                    help="'fits in N MB': the memory cap (0: skip the search; default 64, "
                    "quick: 0.6)")
@@ -63,8 +63,10 @@ def parser() -> argparse.ArgumentParser:
                    "default 50, quick: 5)")
     p.add_argument("--train-strategy", default="memory",
                    help="checkpoints= of the memory-saving run in the loss-curve check")
-    p.add_argument("--scaling", action="store_true",
-                   help="add rewrite-time rows from memory_saving_gradients.scaling (slow)")
+    p.add_argument("--scaling-sizes", default=None,
+                   help="graph sizes (ops, comma-separated) for the rewrite-time rows of "
+                   "memory_saving_gradients.scaling; 'none' to skip (default 2500,10000, about "
+                   "a minute; quick: none; issue-sized: 10000,100000, many minutes)")
     p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument("--device", default="auto",
                    help="auto (GPU if TensorFlow sees one), cpu, gpu, or a device like /GPU:1")
@@ -133,8 +135,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"note: training check skipped: strategy {strategy!r} not available")
 
     extra = []
-    if args.scaling:
-        section = _scaling_section()
+    scaling_sizes = [int(x) for x in _csv(args.scaling_sizes) if x.lower() != "none"]
+    if scaling_sizes:
+        section = _scaling_section(scaling_sizes)
         if section:
             extra.append(("Rewrite time vs graph size (memory_saving_gradients.scaling)", section))
     wall = time.time() - started
@@ -151,6 +154,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if fit_results:
         print()
         print(report.fits_table(fit_results))
+    for title, body in extra:
+        print()
+        print(title + ":")
+        print(body)
     if curves is not None:
         print()
         print(f"Training: {curves.steps} steps, largest relative loss difference "
@@ -168,7 +175,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _quick_defaults(args) -> None:
     """Fill the options left unset: full defaults, or tiny ones with --quick."""
-    for name, full, quick in (("steps", 5, 2), ("cap_mb", 64.0, 0.6), ("train_steps", 50, 5)):
+    for name, full, quick in (("steps", 7, 2), ("cap_mb", 64.0, 0.6), ("train_steps", 50, 5),
+                              ("scaling_sizes", "2500,10000", "none")):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
 
@@ -200,18 +208,21 @@ def _fits(args, rows, specs, device, fits_lib, models):
                                 flush=True))
 
 
-def _scaling_section() -> Optional[str]:
+def _scaling_section(sizes: List[int]) -> Optional[str]:
     try:
-        from .. import scaling  # written separately (issue 6); optional here
+        from .. import scaling  # optional: rewrite time vs graph size
     except ImportError:
         print("note: memory_saving_gradients.scaling not found; no rewrite-time rows")
         return None
-    for name in ("markdown_table", "run_markdown", "report"):
-        fn = getattr(scaling, name, None)
-        if callable(fn):
-            return str(fn())
-    print("note: memory_saving_gradients.scaling has no markdown_table(); no rewrite-time rows")
-    return None
+    if not (hasattr(scaling, "rewrite_times") and hasattr(scaling, "markdown_table")):
+        print("note: memory_saving_gradients.scaling lacks rewrite_times/markdown_table; "
+              "no rewrite-time rows")
+        return None
+    print(f"Rewrite time vs graph size ({', '.join(map(str, sizes))} ops) ...", flush=True)
+    rows = scaling.rewrite_times(sizes=sizes, on_row=lambda r: print(
+        f"  {r['model']} {r['size_key']}={r['size']}: {r['ops']} ops, tf.gradients "
+        f"{r['tf_seconds']:.2f} s, gradients() {r['ours_seconds']:.2f} s", flush=True))
+    return scaling.markdown_table(rows)
 
 
 def _load() -> str:

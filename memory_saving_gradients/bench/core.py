@@ -368,10 +368,13 @@ def prepare(
     check_grads: bool = True,
     device: str = "",
     seed: int = 0,
+    predict: bool = True,
 ) -> Prepared:
     """Build, trace (peak) and check one variant, leaving its session open for timing.
 
-    Arguments as :func:`measure`.  Call ``.close()`` on the result.
+    Arguments as :func:`measure`; ``predict=False`` skips ``plan()``'s
+    prediction (a second run of the strategy's search).  Call ``.close()``
+    on the result.
     """
     spec = as_spec(model)
     if variant not in VARIANTS:
@@ -396,7 +399,7 @@ def prepare(
             built = _build_function_variant(spec, variant, device, seed, check_grads)
         else:
             built = _build_graph_variant(spec, variant, device, seed, budget_fraction, check_grads,
-                                         result)
+                                         result, predict)
         session = tf.compat.v1.Session(graph=built.graph, config=run_config)
         _trace_and_check(built, session, result, run_config, base_config, device, check_grads)
         return Prepared(result, session, built.fetches, built.feed)
@@ -434,7 +437,8 @@ def _device_scope(device: str):
     return tf.device(device) if device else contextlib.nullcontext()
 
 
-def _build_graph_variant(spec, variant, device, seed, budget_fraction, check_grads, result):
+def _build_graph_variant(spec, variant, device, seed, budget_fraction, check_grads, result,
+                         predict=True):
     import memory_saving_gradients as msg
 
     graph = tf.Graph()
@@ -446,20 +450,18 @@ def _build_graph_variant(spec, variant, device, seed, budget_fraction, check_gra
         feed = dict(getattr(model, "feed_dict", None) or {})
         strategy = LIBRARY_STRATEGY.get(variant)
         budget = None
-        if strategy is not None and hasattr(msg, "plan"):
-            if variant == "memory+budget":
-                baseline = msg.plan(loss, xs, checkpoints="memory").baseline_peak_bytes
-                budget = int(budget_fraction * baseline)
-                result.budget_bytes = budget
+        if variant == "memory+budget":
+            budget = int(budget_fraction * _baseline_prediction(msg, loss, xs))
+            result.budget_bytes = budget
+        if predict and strategy is not None:
             the_plan = msg.plan(loss, xs, checkpoints=strategy, memory_budget=budget)
             result.predicted_peak_bytes = int(the_plan.predicted_peak_bytes)
             result.baseline_predicted_bytes = int(the_plan.baseline_peak_bytes)
-        elif strategy is None and hasattr(msg, "plan"):
+        elif predict:
             try:
-                baseline = msg.plan(loss, xs, checkpoints="memory").baseline_peak_bytes
-                result.baseline_predicted_bytes = int(baseline)
+                result.baseline_predicted_bytes = _baseline_prediction(msg, loss, xs)
                 if variant == "tf.gradients":
-                    result.predicted_peak_bytes = int(baseline)
+                    result.predicted_peak_bytes = result.baseline_predicted_bytes
             except Exception:  # the planner is optional for the baselines
                 logger.debug("plan() failed for the baseline", exc_info=True)
         start = time.perf_counter()
@@ -472,6 +474,22 @@ def _build_graph_variant(spec, variant, device, seed, budget_fraction, check_gra
         if check_grads and strategy is not None:
             reference = tf_gradients(loss, xs)
     return _Built(graph, [loss] + list(grads), feed, reference, feed, rewrite_seconds)
+
+
+def _baseline_prediction(msg, loss, xs) -> int:
+    """plan()'s predicted peak for plain tf.gradients, without running a strategy's search.
+
+    The baseline prediction does not depend on the checkpoints; the
+    collection (usually empty here) is the cheapest plan to ask for.  Its
+    "nothing to keep" warning is not news here, so it is silenced.
+    """
+    library_logger = logging.getLogger("memory_saving_gradients")
+    level = library_logger.level
+    library_logger.setLevel(logging.ERROR)
+    try:
+        return int(msg.plan(loss, xs, checkpoints="collection").baseline_peak_bytes)
+    finally:
+        library_logger.setLevel(level)
 
 
 def _build_function_variant(spec, variant, device, seed, check_grads):

@@ -141,7 +141,7 @@ def fits_in(
         def peak_of(k, variant=variant, probes=probes, errors=errors):
             value = axis.value(k)
             prepared = core.prepare(spec_for(value), variant, check_grads=False, device=device,
-                                    budget_fraction=budget_fraction)
+                                    budget_fraction=budget_fraction, predict=False)
             prepared.close()
             res = prepared.result
             mb = res.peak_bytes / MB if res.ok else None

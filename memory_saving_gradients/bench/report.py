@@ -181,11 +181,15 @@ def plot_peak_vs_depth(rows, path: str, model: str = "resnet", key: str = "depth
     if plt is None or not data:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 5.5))
-    for variant, points in data.items():
+    markers = "osD^vP*Xh"
+    styles = ("-", "--", "-.", ":")
+    for i, (variant, points) in enumerate(data.items()):
         xs = [x for x, _ in points]
         ys = [y for _, y in points]
         b, a = fit_power_law(xs, ys)
-        line, = ax.plot(xs, ys, "o-", label=f"{variant}  (exponent {b:.2f})")
+        # distinct marker and dash per variant: lines that coincide stay visible
+        line, = ax.plot(xs, ys, linestyle=styles[i % len(styles)], marker=markers[i % len(markers)],
+                        markersize=7 - 0.4 * i, label=f"{variant}  (exponent {b:.2f})")
         grid = np.geomspace(min(xs), max(xs), 50)
         ax.plot(grid, a * grid ** b, ":", color=line.get_color(), alpha=0.6)
     ax.set_xscale("log")

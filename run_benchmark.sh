@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The benchmark's default sweep (README.md, "Benchmark"): peak memory and step time of
+# memory_saving_gradients vs tf.gradients, grappler's recomputation and tf.recompute_grad,
+# on ResNet v2, a GPT-style transformer, a U-Net, a deep MLP and a tanh chain, plus the
+# "fits in N MB" search and the training-curve check. Tables and plots go to bench_out/.
+#
+# Creates .venv when it is missing (installs the package with its test and bench extras,
+# and tensorflow-cpu 2.21.0 only when no TensorFlow is importable there).
+# Options are passed on: ./run_benchmark.sh --help, ./run_benchmark.sh --quick, ...
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PY=.venv/bin/python
+if [ ! -x "$PY" ]; then
+    echo "Creating .venv ..."
+    python3 -m venv .venv
+    "$PY" -m pip install -q --upgrade pip
+    "$PY" -m pip install -q -e ".[test,bench]"
+fi
+if ! "$PY" -c "import tensorflow" >/dev/null 2>&1; then
+    echo "No TensorFlow in .venv: installing tensorflow-cpu==2.21.0 ..."
+    "$PY" -m pip install -q "tensorflow-cpu==2.21.0"
+fi
+if ! "$PY" -c "import memory_saving_gradients, matplotlib, tqdm" >/dev/null 2>&1; then
+    echo "Installing the package with its bench extras into .venv ..."
+    "$PY" -m pip install -q -e ".[test,bench]"
+fi
+
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+exec "$PY" -m memory_saving_gradients.benchmark "$@"

@@ -1,0 +1,171 @@
+"""The benchmark's measuring core, search, fits and CLI, on tiny models (fast)."""
+
+import csv
+import math
+import os
+import time
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+import test_models
+from memory_saving_gradients import benchmark
+from memory_saving_gradients.bench import core, fits, report
+
+
+def _chain_spec(n=20, size=16384):
+    return core.spec_from_module(test_models.chain, n=n, size=size, kind="tanh")
+
+
+def test_measure_tiny_chain_gives_sane_numbers():
+    spec = _chain_spec()
+    base = benchmark.measure(spec, "tf.gradients", steps=2)
+    mem = benchmark.measure(spec, "memory", steps=2)
+    for r in (base, mem):
+        assert r.ok, r.error
+        assert r.grads_equal is True
+        assert r.median_step_seconds > 0 and r.rewrite_seconds > 0
+        assert "cpu" in r.allocators
+    # 20 tanh of 64 KB: tf.gradients keeps all 20 activations (>= 1.25 MB);
+    # 'memory' keeps about sqrt(20) of them and one segment's recomputation.
+    assert base.peak_bytes >= 20 * 16384 * 4
+    assert mem.peak_bytes < 0.6 * base.peak_bytes
+    # plan() predicts both peaks within the slack the planner states (+-25%), here 35%
+    assert abs(mem.predicted_peak_bytes - mem.peak_bytes) <= 0.35 * mem.peak_bytes
+    assert abs(base.predicted_peak_bytes - base.peak_bytes) <= 0.35 * base.peak_bytes
+
+
+def test_measure_plain_build_function_and_unavailable_variant():
+    def build(add_to_collection=False):
+        x = tf.compat.v1.placeholder(tf.float32, [4096], name="x")
+        w = tf.Variable(np.ones(4096, np.float32))
+        a = x * w
+        for _ in range(12):
+            a = tf.tanh(a)
+            if add_to_collection:
+                tf.compat.v1.add_to_collection("checkpoints", a)
+        return test_models.Model("toy", tf.reduce_sum(a), {x: np.full(4096, 0.5, np.float32)},
+                                 [w], [], [x])
+
+    collection = benchmark.measure(build, "collection", steps=1)
+    assert collection.ok and collection.grads_equal is True
+    assert collection.model == "build"
+    skipped = benchmark.measure(build, "recompute_grad", steps=1)
+    assert skipped.error.startswith("skipped:") and skipped.peak_bytes is None
+    with pytest.raises(ValueError):
+        benchmark.measure(build, "no-such-variant")
+
+
+def test_recompute_grad_variant_saves_memory_and_equals_tf_gradients():
+    spec = core.spec_from_module(test_models.resnet, depth=14, batch=2, width=4)
+    base = benchmark.measure(spec, "tf.gradients", steps=0)
+    rg = benchmark.measure(spec, "recompute_grad", steps=0)
+    assert rg.ok, rg.error
+    assert rg.grads_equal is True and rg.max_grad_diff < 1e-4
+    # measured 0.52x here: the recomputation is deferred to the backward pass
+    assert rg.peak_bytes < 0.75 * base.peak_bytes
+
+
+def test_budget_variant_reports_infeasible_budget_as_a_row():
+    spec = _chain_spec(n=10, size=4096)
+    r = benchmark.measure(spec, "memory+budget", steps=0, budget_fraction=0.001)
+    assert r.peak_bytes is None and "cannot be met" in r.error
+    assert "budget infeasible" in report.row_dict(_row(r))["note"]
+
+
+def _row(result):
+    from memory_saving_gradients.bench.sweep import Row
+
+    return Row(result)
+
+
+def test_power_law_fit_recovers_exponents():
+    depths = np.array([20, 56, 110, 164, 218], float)
+    b, a = report.fit_power_law(depths, 3.0 * depths ** 0.5)
+    assert b == pytest.approx(0.5, abs=1e-9) and a == pytest.approx(3.0)
+    rng = np.random.RandomState(0)
+    noisy = 2.4 * depths * np.exp(rng.normal(0, 0.03, depths.size))
+    assert report.fit_power_law(depths, noisy)[0] == pytest.approx(1.0, abs=0.08)
+    with pytest.raises(ValueError):
+        report.fit_power_law([5, 5], [1, 2])
+
+
+@pytest.mark.parametrize("guess", [1, 9, 10, 11, 40])
+def test_largest_under_cap_search(guess):
+    calls = []
+
+    def peak(k):
+        calls.append(k)
+        return 3.0 * k + 1.0  # fits 31 MB up to k = 10
+
+    k, at_limit = fits.largest_under_cap(peak, 31.0, guess, 60)
+    assert (k, at_limit) == (10, False)
+    assert len(calls) == len(set(calls)) <= 2 * math.ceil(math.log2(60)) + 2
+    if guess == 10:
+        assert sorted(calls) == [10, 11]  # an exact guess costs two measurements
+
+
+def test_largest_under_cap_edges():
+    assert fits.largest_under_cap(lambda k: 100.0, 10.0, 5, 20) == (None, False)
+    assert fits.largest_under_cap(lambda k: 1.0, 10.0, 5, 20) == (20, True)
+    assert fits.largest_under_cap(lambda k: None if k > 3 else 1.0, 10.0, 2, 20) == (3, False)
+    axis = fits.resnet_depth_axis()
+    assert fits.guess_index([(20, 50.0), (110, 272.0)], 64.0, axis) == 3  # depth 25.7 -> 20
+
+
+def test_gradients_close_handles_sparse_and_detects_differences():
+    sparse = types.SimpleNamespace(  # what Session.run returns for IndexedSlices
+        values=np.ones((2, 3), np.float32), indices=np.array([0, 0]), dense_shape=np.array([4, 3]))
+    dense = np.zeros((4, 3), np.float32)
+    dense[0] = 2.0
+    assert core.gradients_close([sparse], [dense]) == (True, 0.0)
+    equal, worst = core.gradients_close([dense * 1.01], [dense])
+    assert not equal and worst == pytest.approx(0.01, rel=1e-3)
+    assert core.gradients_close([None], [dense])[0] is False
+
+
+def test_cli_quick_writes_tables_and_plots(tmp_path):
+    out = tmp_path / "bench"
+    code = benchmark.main([
+        "--quick", "--models", "resnet", "--variants", "tf.gradients,memory",
+        "--fits-variants", "tf.gradients,memory", "--cap-mb", "0.45", "--steps", "1",
+        "--train-steps", "3", "--out", str(out), "--no-progress",
+    ])
+    assert code == 0
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["model"], r["variant"]) for r in rows] == [
+        ("resnet", "tf.gradients"), ("resnet", "memory")] * 2
+    for r in rows:
+        assert float(r["peak_mb"]) > 0 and r["grads_equal"] == "yes"
+        ratio = float(r["peak_ratio"])
+        assert (ratio == 1.0) if r["variant"] == "tf.gradients" else (0 < ratio < 1.0)
+    md = (out / "results.md").read_text()
+    assert "| resnet | depth=14 width=4 | 2 | memory |" in md
+    assert "Fits in 0.45 MB" in md and "same curve" in md and "exponent" in md
+    for name in ("peak_vs_depth.png", "time_overhead.png", "loss_curves.png", "fits.csv"):
+        assert (out / name).stat().st_size > 1000 or name.endswith(".csv")
+    with open(out / "fits.csv") as f:
+        fit_rows = {r["variant"]: r for r in csv.DictReader(f)}
+    assert int(fit_rows["memory"]["largest"]) >= int(fit_rows["tf.gradients"]["largest"])
+
+
+def test_help_lists_the_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for option in ("--models", "--depths", "--batch", "--variants", "--budget-fraction",
+                   "--out", "--device", "--quick", "--cap-mb"):
+        assert option in text
+    assert "bench_out" in text and "recompute_grad" in text
+
+
+def test_all_library_variants_are_known_to_the_installed_package():
+    for variant, strategy in core.LIBRARY_STRATEGY.items():
+        assert strategy in msg.available_strategies(), variant
+    assert not math.isnan(core.DEFAULT_BUDGET_FRACTION)
+    assert os.path.basename(benchmark.__file__) == "benchmark.py"
