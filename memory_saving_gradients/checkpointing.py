@@ -328,15 +328,35 @@ def _backprop(
                 contributions.setdefault(t.ref(), []).append(g)
 
     results = []
+    reach = None
     for x in xs:
         g = total(x)
         if g is None and x.op in differentiated:
-            # tf.gradients gives zeros for an unused output of an op it differentiates.
-            g = rewrite.unused_output_gradient(x)
+            # tf.gradients gives zeros for an unused output of an op it differentiates,
+            # which it does when its walk from xs reaches one of the op's inputs.
+            if reach is None:
+                reach = _reached_by_tf_gradients(xs, region)
+            if any(t.op in reach for t in x.op.inputs):
+                g = rewrite.unused_output_gradient(x)
         if g is None and unconnected == tf.UnconnectedGradients.ZERO:
             g = rewrite.zeros_like_gradient(x)
         results.append(g)
     return results
+
+
+def _reached_by_tf_gradients(xs, region) -> set:
+    """The ops tf.gradients' walk reaches from xs: it follows trainable outputs only."""
+    reached: set = set()
+    stack = [x.op for x in xs]
+    while stack:
+        op = stack.pop()
+        if op in reached:
+            continue
+        reached.add(op)
+        for t in op.outputs:
+            if rewrite.is_trainable(t):
+                stack.extend(c for c in t.consumers() if c in region)
+    return reached
 
 
 def _naming_original(error: LookupError, ops, copies) -> LookupError:

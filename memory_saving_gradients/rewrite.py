@@ -158,6 +158,13 @@ def _unique_ops(ops: Iterable[tf.Operation]) -> list:
     return unique
 
 
+def is_trainable(t: tf.Tensor) -> bool:
+    """Whether ``tf.gradients`` lets gradients flow through ``t`` (float, complex, resource, variant)."""
+    from tensorflow.python.eager import backprop_util as _backprop_util
+
+    return _backprop_util.IsTrainable(t)
+
+
 def unused_output_gradient(t: tf.Tensor):
     """What ``tf.gradients`` gives for output ``t`` of an op it differentiates, when no
     gradient reaches ``t``: zeros if ``t`` is trainable and the op has a gradient, else None."""

@@ -54,6 +54,8 @@ def main(argv=None) -> int:
         prop()
     except Exception as error:  # noqa: BLE001 - report and fail
         print(f"FAILED after {clean['examples']} clean examples: {type(error).__name__}: {error}")
+        for note in getattr(error, "__notes__", []):  # hypothesis: the shrunk example
+            print(note)
         return 1
     print(f"{clean['examples']} examples ran clean ({clean['variants']} gradients() calls "
           f"compared with tf.gradients) in {time.time() - start:.0f} s")

@@ -169,6 +169,21 @@ def test_sibling_output_of_a_differentiated_op_gets_zeros_like_tf(g):
     np.testing.assert_array_equal(values[1], np.zeros(N))
 
 
+def test_sibling_output_reached_only_through_integers_gets_none_like_tf(g):
+    """...but None when the op is reached from xs only through integer tensors:
+    tf.gradients' walk stops there, so the op is where backprop ends."""
+    x = tf.compat.v1.placeholder(tf.float32, [N, N])
+    w = tf.compat.v1.placeholder(tf.float32, [N, N])
+    rounded = tf.cast(tf.round(x * 3.0), tf.int32)
+    rows = tf.unstack(tf.cast(rounded, tf.float32) * w)
+    units = _chain(rows[1], 3)
+    y = tf.reduce_sum(units[-1])
+    expected, _ = compare(y, [x, rows[0]], [units[0], rows[1]], _feed(x, w))
+    assert expected == [None, None]
+    expected, _ = compare(y, [w, rows[0]], [units[0], rows[1]], _feed(x, w))
+    assert expected[1] is not None  # reached from w: zeros
+
+
 def test_checkpoint_list_with_duplicates_xs_and_ys(g):
     x = tf.compat.v1.placeholder(tf.float32, [N])
     units = _chain(x, 6)
