@@ -32,10 +32,12 @@ def main(argv=None) -> int:
     parser.add_argument("--examples", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-nodes", type=int, default=16)
+    parser.add_argument("--function-every", type=int, default=10,
+                        help="also check every k-th example inside a tf.function (0: never)")
     args = parser.parse_args(argv)
     logging.getLogger("memory_saving_gradients").setLevel(logging.ERROR)
     strategies = rg.msg.available_strategies()
-    clean = {"examples": 0, "variants": 0}
+    clean = {"examples": 0, "variants": 0, "in_function": 0}
     start = time.time()
 
     @hypothesis_seed(args.seed)
@@ -44,6 +46,9 @@ def main(argv=None) -> int:
     @given(rg.programs(max_nodes=args.max_nodes))
     def prop(program):
         clean["variants"] += rg.check_program(program, strategies)
+        if args.function_every and clean["examples"] % args.function_every == 0:
+            clean["variants"] += rg.check_program_in_function(program, strategies)
+            clean["in_function"] += 1
         clean["examples"] += 1
         if clean["examples"] % 250 == 0:
             print(f"  {clean['examples']} examples clean ({time.time() - start:.0f} s)", flush=True)
@@ -57,8 +62,9 @@ def main(argv=None) -> int:
         for note in getattr(error, "__notes__", []):  # hypothesis: the shrunk example
             print(note)
         return 1
-    print(f"{clean['examples']} examples ran clean ({clean['variants']} gradients() calls "
-          f"compared with tf.gradients) in {time.time() - start:.0f} s")
+    print(f"{clean['examples']} examples ran clean ({clean['in_function']} of them also in a "
+          f"tf.function; {clean['variants']} gradients() calls compared with tf.gradients) "
+          f"in {time.time() - start:.0f} s")
     return 0
 
 

@@ -11,6 +11,8 @@ differentiated by TensorFlow, by ``gradients()`` with the random checkpoint
 list, and by ``gradients()`` with every strategy in ``available_strategies()``;
 one session runs them all.  Each result must have TensorFlow's None pattern,
 kind (dense / ``IndexedSlices``), dtype and values (within float tolerance).
+A tenth as many smaller examples run the same comparison inside a
+``tf.function`` body.
 
 ``tests/run_random_graphs.py`` runs the same property on thousands of examples.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import types
 from typing import List, Optional, Tuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -358,6 +361,61 @@ def check_program(program: Program, strategies: Optional[list] = None) -> int:
     return len(variants)
 
 
+def check_program_in_function(program: Program, strategies: Optional[list] = None) -> int:
+    """The same comparison inside a ``tf.function`` body (a FuncGraph, unhashable tensors)."""
+    if strategies is None:
+        strategies = msg.available_strategies()
+    dtype = tf.as_dtype(program.dtype)
+    rng = np.random.RandomState(program.seed)
+    arrays = [rng.uniform(-1.5, 1.5, size=shape).astype(program.dtype) for shape in program.inputs]
+
+    @tf.function
+    def run(*inputs):
+        values = list(inputs)
+        for node in program.nodes:
+            values.extend(_build_node(node, values, dtype))
+        built = Built(None, list(inputs), values, {})
+        ys = [values[i] for i in program.ys]
+        xs = [values[i] for i in program.xs]
+        checkpoints = [values[i] for i in program.checkpoints]
+        options = dict(
+            stop_gradients=[values[i] for i in program.stop_gradients] or None,
+            unconnected_gradients="zero" if program.unconnected_zero else "none",
+        )
+        grad_ys = grad_ys_for(program, built)
+        out = {"tf": tf_gradients(ys, xs, grad_ys=grad_ys, **options)}
+        try:
+            out["list"] = msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints=checkpoints,
+                                        **options)
+        except ValueError as error:
+            if "can be used" not in str(error):  # nothing usable: an error by design
+                raise
+        for name in strategies:
+            out[name] = msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints=name, **options)
+        return out
+
+    out = run(*[tf.constant(a) for a in arrays])
+    rtol = 1e-4 if program.dtype == "float32" else 1e-9
+    expected = out.pop("tf")
+    for name, grads in out.items():
+        assert [_kind(g) for g in grads] == [_kind(g) for g in expected], name
+        for ours, theirs in zip(grads, expected):
+            if theirs is None:
+                continue
+            assert ours.dtype == theirs.dtype, name
+            a, b = _dense_eager(ours), _dense_eager(theirs)
+            scale = float(np.max(np.abs(b[np.isfinite(b)]), initial=1.0))
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale, err_msg=name)
+    return len(out)
+
+
+def _dense_eager(g):
+    if isinstance(g, tf.IndexedSlices):
+        return _dense(types.SimpleNamespace(values=g.values.numpy(), indices=g.indices.numpy(),
+                                            dense_shape=g.dense_shape.numpy()))
+    return g.numpy()
+
+
 def _any_usable(program: Program, built: Built) -> bool:
     from memory_saving_gradients import graph as graph_lib
     ys = [built.values[i] for i in program.ys]
@@ -385,6 +443,13 @@ EXAMPLES = int(os.environ.get("RANDOM_GRAPH_EXAMPLES", "250"))
 @given(programs())
 def test_random_graphs_match_tf_gradients(program):
     check_program(program)
+
+
+@settings(max_examples=max(10, EXAMPLES // 10), deadline=None, derandomize=True,
+          database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(programs(max_nodes=8))
+def test_random_graphs_match_tf_gradients_in_tf_function(program):
+    check_program_in_function(program)
 
 
 def test_generator_covers_the_op_kinds():
