@@ -1,6 +1,6 @@
 """Choosing cuts under a memory budget: dynamic programming along the cuts.
 
-The forward pass is cut at some of the candidate cuts of :func:`graph.live_cuts`;
+The forward pass is cut at some of the candidate cuts of :func:`cuts.live_cuts`;
 what lies between two chosen cuts is a segment.  When the backward pass
 reaches a segment, memory holds the tensors of every chosen cut before it
 (``kept``), plus what recomputing and differentiating the segment allocates
@@ -24,7 +24,7 @@ import numpy as np
 
 
 class CutProblem:
-    """The numbers the dynamic program needs, built once from ``graph.Cuts``.
+    """The numbers the dynamic program needs, built once from ``cuts.Cuts``.
 
     Candidate 0 is the start of the pass (nothing kept), candidate ``n + 1``
     its end; 1..n are the cuts.  Everything is a numpy array, so that one
@@ -47,7 +47,7 @@ class CutProblem:
             self.suffix.append(np.concatenate([np.cumsum(sizes[::-1])[::-1], [0.0]]))
         self.suffix.append(np.zeros(1))
         self._range_max = _RangeMax(np.asarray(cuts.largest, dtype=float))
-        # what the op at a cut contributes when its copy is never run (see graph.Cuts)
+        # what the op at a cut contributes when its copy is never run (see cuts.Cuts)
         pruned = ~np.asarray(cuts.reads_outputs + (True,), dtype=bool)[self.positions]
         own_flops = np.diff(self.flops)[self.positions]
         own_bytes = np.diff(self.output_bytes)[self.positions]

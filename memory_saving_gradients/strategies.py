@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 from ._tensorflow import tf
 from . import budget as budget_lib
+from . import cuts as cuts_lib
 from . import graph as graph_lib
 from . import simulate
 from .graph import ForwardRegion
@@ -101,7 +102,7 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
     :mod:`.simulate`, which has the last word.
     """
     size = simulate.Sizer(unknown_dim)
-    cuts = graph_lib.live_cuts(region, size, simulate.op_flops, simulate.ALIAS_OP_TYPES)
+    cuts = cuts_lib.live_cuts(region, size, simulate.op_flops, simulate.ALIAS_OP_TYPES)
     if not cuts.positions:
         return []
     # With a budget, plans are judged as plan() reports them: the gradients of

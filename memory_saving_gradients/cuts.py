@@ -1,0 +1,110 @@
+"""Where the forward pass can be cut: live sets along a topological order.
+
+Pure analysis, one sweep over the region's ops (linear in ops + edges): the
+candidates that :mod:`.budget` chooses from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .graph import ForwardRegion, gradient_reads, tensor_order
+
+
+@dataclasses.dataclass(frozen=True)
+class Cuts:
+    """Where the forward pass can be cut, along the region's topological order.
+
+    After the op at ``positions[i]`` runs, the tensors ``tensors[i]`` are the
+    ones still waiting for a later consumer: keeping them separates everything
+    before from everything after.  ``output_bytes[p]`` and ``flops[p]`` are
+    prefix sums over the ops at positions <= p (what a segment allocates and
+    computes), ``largest[p]`` the size of the op's largest output, and
+    ``reads_outputs[p]`` whether the op's gradient reads its outputs (if not,
+    a copy of it at the end of a segment is never run: nothing reads it).
+    """
+
+    positions: tuple
+    tensors: tuple
+    new_bytes: tuple      # per cut: [(start position, bytes)] of its tensors, sorted by start
+    output_bytes: tuple
+    flops: tuple
+    largest: tuple
+    reads_outputs: tuple
+
+
+def live_cuts(region: ForwardRegion, size, flops, alias_types=frozenset(),
+              max_cuts: int = 400) -> Cuts:
+    """The cuts of the region, in one sweep over its ops (linear in ops + edges).
+
+    Consecutive positions with the same live set give one cut; when there are
+    more than ``max_cuts``, the cheapest cut of each of ``max_cuts`` equal
+    stretches of the order is kept.  ``size(t)`` and ``flops(op)`` give bytes
+    and work; outputs of ``alias_types`` ops share their input's buffer and
+    cost nothing of their own.
+    """
+    order = region.order
+    position = {op: i for i, op in enumerate(order)}
+    end_of: dict = {}
+    own_bytes: dict = {}
+    for op in reversed(order):
+        for t in op.outputs:
+            ends = [position[c] for c in t.consumers() if c in position]
+            end = max(ends, default=position[op])
+            end = max(end, end_of.get(t.ref(), end))
+            end_of[t.ref()] = end
+            if op.type in alias_types and op.inputs and op.inputs[0].op in position:
+                source = op.inputs[0].ref()
+                end_of[source] = max(end_of.get(source, 0), end)
+    output_prefix, flop_prefix, largest, reads_outputs = [], [], [], []
+    total_bytes = total_flops = 0
+    starts: dict = {}
+    for i, op in enumerate(order):
+        own = 0
+        big = 0
+        for t in op.outputs:
+            nbytes = 0 if op.type in alias_types else size(t)
+            own_bytes[t.ref()] = nbytes
+            own += nbytes
+            big = max(big, nbytes)
+            if end_of[t.ref()] > i:
+                starts.setdefault(i, []).append(t)
+        total_bytes += own
+        total_flops += flops(op)
+        output_prefix.append(total_bytes)
+        flop_prefix.append(total_flops)
+        largest.append(big)
+        reads_outputs.append(bool(gradient_reads(op)[1]))
+    # Sweep: live set after each position; a cut where the set changes next.
+    ending: dict = {}
+    for i, ts in starts.items():
+        for t in ts:
+            ending.setdefault(end_of[t.ref()], []).append(t)
+    live: dict = {}
+    live_bytes = 0
+    raw = []
+    for i in range(len(order) - 1):
+        for t in ending.get(i, ()):
+            live_bytes -= own_bytes[t.ref()]
+            live.pop(t.ref(), None)
+        for t in starts.get(i, ()):
+            live[t.ref()] = t
+            live_bytes += own_bytes[t.ref()]
+        changes_next = (i + 1) in ending or (i + 1) in starts
+        if changes_next and live:
+            raw.append((i, live_bytes, tuple(live.values())))
+    if len(raw) > max_cuts:
+        chosen = []
+        stretch = len(raw) / max_cuts
+        for b in range(max_cuts):
+            lo, hi = int(b * stretch), int((b + 1) * stretch)
+            if hi > lo:
+                chosen.append(min(raw[lo:hi], key=lambda r: (r[1], -r[0])))
+        raw = chosen
+    positions = tuple(r[0] for r in raw)
+    tensors = tuple(tuple(sorted(r[2], key=tensor_order)) for r in raw)
+    new_bytes = tuple(
+        tuple(sorted((position[t.op], own_bytes[t.ref()]) for t in ts)) for ts in tensors
+    )
+    return Cuts(positions, tensors, new_bytes, tuple(output_prefix), tuple(flop_prefix),
+                tuple(largest), tuple(reads_outputs))
