@@ -31,8 +31,9 @@ def resnet_depth_axis(k_max: int = 60) -> Axis:
     return Axis("depth", lambda k: 6 * k + 2, lambda v: (v - 2) / 6.0, k_max)
 
 
-def batch_axis(k_max: int = 4096) -> Axis:
-    return Axis("batch", lambda k: k, lambda v: v, k_max)
+def batch_axis(k_max: int = 4096, step: int = 1) -> Axis:
+    """Batch ``step * k``."""
+    return Axis("batch", lambda k: step * k, lambda v: v / step, k_max)
 
 
 @dataclasses.dataclass
