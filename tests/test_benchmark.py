@@ -3,7 +3,6 @@
 import csv
 import math
 import os
-import time
 import types
 
 import numpy as np

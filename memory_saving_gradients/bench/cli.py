@@ -21,17 +21,21 @@ def _csv(text: str) -> List[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Option defaults shown; the description and the variant list keep their lines."""
+
+
 def parser() -> argparse.ArgumentParser:
     from .models import DEFAULT_MODELS
 
     p = argparse.ArgumentParser(
         prog="python -m memory_saving_gradients.benchmark",
-        description="Measure peak memory and step time of memory_saving_gradients against "
-        "tf.gradients, grappler's recomputation and tf.recompute_grad on real models. "
-        "Every number is measured in this run (peaks from the allocator's records of a "
+        description="Measure peak memory and step time of memory_saving_gradients against\n"
+        "tf.gradients, grappler's recomputation and tf.recompute_grad on real models.\n"
+        "Every number is measured in this run (peaks from the allocator's records of a\n"
         "traced step; times are medians of untraced steps, interleaved across variants).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Variants:\n" + "\n".join(f"  {k}: {v}" for k, v in core.VARIANT_HELP.items()),
+        formatter_class=_HelpFormatter,
+        epilog="variants:\n" + "\n".join(f"  {k:<19s} {v}" for k, v in core.VARIANT_HELP.items()),
     )
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help="comma-separated models from test_models/")
