@@ -179,7 +179,8 @@ with g.as_default():
     ops = g.get_operations()[n:]
     print(json.dumps(hashlib.sha256("\n".join(
         op.name + " " + op.type + " " + ",".join(t.name for t in op.inputs)
-        + " " + ",".join(c.name for c in op.control_inputs) for op in ops
+        # control inputs are a set in TensorFlow's C graph: compare them sorted
+        + " " + ",".join(sorted(c.name for c in op.control_inputs)) for op in ops
     ).encode()).hexdigest()))
 """
 
