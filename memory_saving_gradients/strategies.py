@@ -71,10 +71,21 @@ EXPENSIVE_OP_TYPES = frozenset(
 
 @register("speed")
 def speed(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegion, **_) -> list:
-    """Outputs of convolutions and matrix products: recompute only the cheap ops."""
-    return [
-        op.outputs[0] for op in region.order if op.type in EXPENSIVE_OP_TYPES and op.outputs
-    ]
+    """Outputs of convolutions and matrix products, and the branch points between them.
+
+    Only the cheap ops are recomputed.  Tensors read by several ops (a
+    residual stream, an attention input) are kept too: otherwise every
+    segment would recompute back through them, and segments would overlap.
+    """
+    kept = []
+    for op in region.order:
+        if op.type in EXPENSIVE_OP_TYPES and op.outputs:
+            kept.append(op.outputs[0])
+            continue
+        for t in op.outputs:
+            if sum(1 for c in t.consumers() if c in region) > 1:
+                kept.append(t)
+    return kept
 
 
 @register("memory")
