@@ -45,7 +45,8 @@ def copy_ops(
     An input of a copied op is taken from, in order: the copy of its producer,
     ``replacements`` (keyed by ``tensor.ref()``), or the original tensor.
     Control inputs between copied ops are mapped to the copies, others are
-    kept; every copy also gets ``control_inputs``.  Device, colocation, attrs
+    kept; every copy that reads no other copy also gets ``control_inputs``
+    (the others wait for them through their data).  Device, colocation, attrs
     and static shapes of the originals are kept.
     """
     if not ops:
@@ -68,7 +69,11 @@ def copy_ops(
             )
             new_op._set_device(op.device)  # pylint: disable=protected-access
             deps = [copied_ops.get(c, c) for c in op.control_inputs]
-            deps.extend(control_inputs)
+            if not any(t.op in copied_ops for t in op.inputs):
+                # Only copies that read no other copy wait for control_inputs;
+                # the rest wait through their data, and grappler may still
+                # optimize them (it skips ops with control inputs).
+                deps.extend(control_inputs)
             if deps:
                 new_op._add_control_inputs(_unique_ops(deps))  # pylint: disable=protected-access
             for old, new in zip(op.outputs, new_op.outputs):
