@@ -46,7 +46,7 @@ class CutProblem:
             sizes = np.array([size for _, size in nb], dtype=float)
             self.suffix.append(np.concatenate([np.cumsum(sizes[::-1])[::-1], [0.0]]))
         self.suffix.append(np.zeros(1))
-        self._range_max = _RangeMax(np.asarray(cuts.largest, dtype=float))
+        self.largest = np.asarray(cuts.largest, dtype=float)
         # what the op at a cut contributes when its copy is never run (see cuts.Cuts)
         pruned = ~np.asarray(cuts.reads_outputs + (True,), dtype=bool)[self.positions]
         own_flops = np.diff(self.flops)[self.positions]
@@ -61,7 +61,10 @@ class CutProblem:
         """Bytes allocated while segments (a, b] are recomputed and differentiated."""
         pa, pb = self.positions[a], self.positions[b]
         outputs = self.output_bytes[pb + 1] - self.output_bytes[pa + 1] - self.pruned_bytes[b]
-        return outputs + 2 * self._range_max(pa + 1, pb) + self.fixed_bytes
+        # largest output in (pa, pb]: a suffix maximum, since pb is the same for all a
+        start = int(pa.min()) + 1
+        suffix = np.maximum.accumulate(self.largest[start: pb + 1][::-1])[::-1]
+        return outputs + 2 * suffix[pa + 1 - start] + self.fixed_bytes
 
     def new_kept(self, a: np.ndarray, b: int) -> np.ndarray:
         """Bytes of cut b not already kept by cuts a (live ranges are intervals)."""
@@ -82,36 +85,7 @@ class CutProblem:
         return int(np.searchsorted(self.positions, p - 1, side="left"))
 
 
-class _RangeMax:
-    """Maximum of ``values[lo..hi]`` (inclusive) in O(1) per query, vectorised."""
-
-    def __init__(self, values: np.ndarray):
-        self.table = [values]
-        width = 1
-        while 2 * width <= len(values):
-            prev = self.table[-1]
-            self.table.append(np.maximum(prev[:-width], prev[width:]))
-            width *= 2
-
-    def __call__(self, lo: np.ndarray, hi) -> np.ndarray:
-        lo = np.asarray(lo)
-        hi = np.broadcast_to(np.asarray(hi), lo.shape)
-        length = np.maximum(hi - lo + 1, 1)
-        level = np.floor(np.log2(length)).astype(np.int64)
-        out = np.zeros(lo.shape)
-        for lvl in np.unique(level):
-            mask = level == lvl
-            row = self.table[lvl]
-            l, h = lo[mask], hi[mask]
-            valid = h >= l
-            res = np.zeros(l.shape)
-            lv, hv = l[valid], h[valid]
-            res[valid] = np.maximum(row[lv], row[hv - (1 << lvl) + 1])
-            out[mask] = res
-        return out
-
-
-def least_recompute(problem: CutProblem, budget: float, levels: int = 160):
+def least_recompute(problem: CutProblem, budget: float, levels: int = 120):
     """Indices of the chosen cuts (1..n) with least recomputation within ``budget``.
 
     Returns ``(cuts, recompute_flops)``, or None when no choice fits.
@@ -167,7 +141,7 @@ def least_recompute(problem: CutProblem, budget: float, levels: int = 160):
     return sorted(chosen), total
 
 
-def smallest_budget(problem: CutProblem, levels: int = 160) -> float:
+def smallest_budget(problem: CutProblem, levels: int = 120) -> float:
     """The least peak the model can reach: one minimax pass of the same program.
 
     Each state keeps the largest segment peak on its way instead of the
@@ -196,7 +170,7 @@ def smallest_budget(problem: CutProblem, levels: int = 160) -> float:
     return float(best[n - 1].min())
 
 
-def refine_floor(problem: CutProblem, upper: float, steps: int = 4) -> float:
+def refine_floor(problem: CutProblem, upper: float, steps: int = 3) -> float:
     """Bisect below ``upper`` with the finer quantisation of :func:`least_recompute`."""
     lower = 0.5 * upper
     if least_recompute(problem, upper) is None:

@@ -139,7 +139,7 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
 
     def near_floor():
         floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
-        return [p for p in (proposal(f * floor) for f in (1.0, 1.1, 1.25)) if p]
+        return [p for p in (proposal(f * floor) for f in (1.0, 1.15)) if p]
 
     if memory_budget is None:
         proposals = near_floor()
