@@ -25,8 +25,8 @@ if ! "$PY" -c "import tensorflow" >/dev/null 2>&1; then
     "$PY" -m pip install -q "tensorflow-cpu==$TF_CPU_VERSION"
 fi
 
-echo "run_all_tests: installing the package with its test extras (pip install -e .[test])"
-"$PY" -m pip install -q -e ".[test]"
+echo "run_all_tests: installing the package with its test and benchmark extras (pip install -e .[test,bench]; the benchmark has tests too)"
+"$PY" -m pip install -q -e ".[test,bench]"
 
 status=0
 
