@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from memory_saving_gradients import profiling  # noqa: E402
+from gradient_values import dense  # noqa: E402
 
 #: Size of one unit of the chain memory tests: 262144 float32 = 1 MiB.
 MIB = 1 << 20
@@ -38,15 +39,6 @@ def graph():
     g = tf.Graph()
     with g.as_default():
         yield g
-
-
-def _dense(value):
-    """A numpy array from a fetched tensor or ``IndexedSlicesValue``."""
-    if hasattr(value, "indices") and hasattr(value, "dense_shape"):  # IndexedSlicesValue
-        dense = np.zeros(value.dense_shape, dtype=value.values.dtype)
-        np.add.at(dense, value.indices, value.values)
-        return dense
-    return np.asarray(value)
 
 
 def _fetchable(grads):
@@ -97,7 +89,7 @@ def assert_grads_match():
             assert type(a) is type(b), f"gradient {i}: ours {type(a)}, tf.gradients {type(b)}"
             assert a.dtype == b.dtype, f"gradient {i}: ours {a.dtype}, tf.gradients {b.dtype}"
             np.testing.assert_allclose(
-                _dense(values_ours[i]), _dense(values_theirs[i]), rtol=rtol, atol=atol,
+                dense(values_ours[i]), dense(values_theirs[i]), rtol=rtol, atol=atol,
                 err_msg=f"gradient {i} ({b.name if hasattr(b, 'name') else b})",
             )
 

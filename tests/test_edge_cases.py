@@ -19,6 +19,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
+from gradient_values import dense, kind
 from memory_saving_gradients._tensorflow import tf_gradients
 
 N = 4
@@ -41,20 +42,6 @@ def g():
         yield graph
 
 
-def _dense(value):
-    if hasattr(value, "indices") and hasattr(value, "dense_shape"):
-        out = np.zeros(value.dense_shape, dtype=value.values.dtype)
-        np.add.at(out, value.indices, value.values)
-        return out
-    return np.asarray(value)
-
-
-def _kind(t):
-    if t is None:
-        return None
-    return "sparse" if isinstance(t, tf.IndexedSlices) else "dense"
-
-
 def compare(ys, xs, checkpoints, feed, variants=VARIANTS, **kwargs):
     """tf.gradients vs gradients() for each variant; returns tf's fetched values."""
     expected = tf_gradients(ys, xs, **kwargs)
@@ -67,11 +54,11 @@ def compare(ys, xs, checkpoints, feed, variants=VARIANTS, **kwargs):
     with tf.compat.v1.Session() as sess:
         out = sess.run(fetch, feed_dict=feed)
     for name, grads in ours.items():
-        assert [_kind(t) for t in grads] == [_kind(t) for t in expected], name
+        assert [kind(t) for t in grads] == [kind(t) for t in expected], name
         assert [t.dtype for t in grads if t is not None] == [
             t.dtype for t in expected if t is not None], name
         for a, b in zip(out[name], out["tf"]):
-            np.testing.assert_allclose(_dense(a), _dense(b), rtol=1e-5, atol=1e-6, err_msg=name)
+            np.testing.assert_allclose(dense(a), dense(b), rtol=1e-5, atol=1e-6, err_msg=name)
     return expected, out["tf"]
 
 

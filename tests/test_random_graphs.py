@@ -34,6 +34,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memory_saving_gradients as msg
+from gradient_values import dense, kind
 from memory_saving_gradients._tensorflow import tf_gradients
 
 N = 3  # every float tensor has a shape broadcastable to (N, N)
@@ -285,20 +286,6 @@ def grad_ys_for(program: Program, built: Built):
     return grad_ys
 
 
-def _dense(value):
-    if hasattr(value, "indices") and hasattr(value, "values"):  # IndexedSlicesValue
-        out = np.zeros(value.dense_shape, dtype=value.values.dtype)
-        np.add.at(out, value.indices, value.values)
-        return out
-    return np.asarray(value)
-
-
-def _kind(g):
-    if g is None:
-        return None
-    return "sparse" if isinstance(g, tf.IndexedSlices) else "dense"
-
-
 class Mismatch(AssertionError):
     pass
 
@@ -342,14 +329,14 @@ def check_program(program: Program, strategies: Optional[list] = None) -> int:
     rtol = 1e-4 if dtype == np.float32 else 1e-9
     for name, grads in variants.items():
         where = f"{name}: xs={program.xs} ys={program.ys}"
-        if [_kind(g) for g in grads] != [_kind(g) for g in expected]:
-            raise Mismatch(f"{where}: kinds {[_kind(g) for g in grads]} != tf "
-                           f"{[_kind(g) for g in expected]}")
+        if [kind(g) for g in grads] != [kind(g) for g in expected]:
+            raise Mismatch(f"{where}: kinds {[kind(g) for g in grads]} != tf "
+                           f"{[kind(g) for g in expected]}")
         for g, e in zip(grads, expected):
             if g is not None and g.dtype != e.dtype:
                 raise Mismatch(f"{where}: dtype {g.dtype} != tf {e.dtype}")
         for i, (ours, theirs) in enumerate(zip(out[name], out["tf"])):
-            ours, theirs = _dense(ours), _dense(theirs)
+            ours, theirs = dense(ours), dense(theirs)
             if ours.shape != theirs.shape:
                 raise Mismatch(f"{where}: gradient {i} shape {ours.shape} != tf {theirs.shape}")
             scale = float(np.max(np.abs(theirs[np.isfinite(theirs)]), initial=1.0))
@@ -398,7 +385,7 @@ def check_program_in_function(program: Program, strategies: Optional[list] = Non
     rtol = 1e-4 if program.dtype == "float32" else 1e-9
     expected = out.pop("tf")
     for name, grads in out.items():
-        assert [_kind(g) for g in grads] == [_kind(g) for g in expected], name
+        assert [kind(g) for g in grads] == [kind(g) for g in expected], name
         for ours, theirs in zip(grads, expected):
             if theirs is None:
                 continue
@@ -411,7 +398,7 @@ def check_program_in_function(program: Program, strategies: Optional[list] = Non
 
 def _dense_eager(g):
     if isinstance(g, tf.IndexedSlices):
-        return _dense(types.SimpleNamespace(values=g.values.numpy(), indices=g.indices.numpy(),
+        return dense(types.SimpleNamespace(values=g.values.numpy(), indices=g.indices.numpy(),
                                             dense_shape=g.dense_shape.numpy()))
     return g.numpy()
 

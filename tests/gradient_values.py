@@ -1,0 +1,22 @@
+"""Helpers shared by the tests that compare gradients with tf.gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+
+def dense(value):
+    """A numpy array from a fetched tensor or ``IndexedSlicesValue``."""
+    if hasattr(value, "indices") and hasattr(value, "dense_shape"):
+        out = np.zeros(value.dense_shape, dtype=value.values.dtype)
+        np.add.at(out, value.indices, value.values)
+        return out
+    return np.asarray(value)
+
+
+def kind(gradient):
+    """None, 'sparse' (IndexedSlices) or 'dense': the structure tf.gradients gives."""
+    if gradient is None:
+        return None
+    return "sparse" if isinstance(gradient, tf.IndexedSlices) else "dense"
