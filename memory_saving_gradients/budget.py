@@ -4,9 +4,10 @@ The forward pass is cut at some of the candidate cuts of :func:`cuts.live_cuts`;
 what lies between two chosen cuts is a segment.  When the backward pass
 reaches a segment, memory holds the tensors of every chosen cut before it
 (``kept``), plus what recomputing and differentiating the segment allocates
-(``work``: its ops' outputs, and gradients of the size of its largest
-tensor).  A segment of a single op is differentiated in place and costs no
-recomputation; any longer one costs its forward work again.
+(``segment_bytes``: the outputs of its copies that run, and gradients of
+the size of its largest tensor).  A segment of a single op is
+differentiated in place and costs no recomputation; any longer one costs
+the modelled time (``simulate.op_cost``) of its copies that run.
 
 :func:`least_recompute` finds the chosen cuts with the least recomputation
 whose every segment fits ``budget`` (in the spirit of Chen et al. 2016 and
@@ -23,6 +24,11 @@ import math
 import numpy as np
 
 
+def _suffix_sums(values: np.ndarray) -> np.ndarray:
+    """``out[k]`` = sum of ``values[k:]``; one longer than ``values``."""
+    return np.concatenate([np.cumsum(values[::-1])[::-1], [0.0]])
+
+
 class CutProblem:
     """The numbers the dynamic program needs, built once from ``cuts.Cuts``.
 
@@ -36,31 +42,34 @@ class CutProblem:
         self.positions = np.array([-1] + list(cuts.positions) + [last], dtype=np.int64)
         # prefix sums shifted by one, so that index p + 1 covers positions <= p
         self.output_bytes = np.concatenate([[0.0], np.asarray(cuts.output_bytes, float)])
-        self.flops = np.concatenate([[0.0], np.asarray(cuts.flops, float)])
+        self.work_prefix = np.concatenate([[0.0], np.asarray(cuts.work, float)])
         self.fixed_bytes = float(fixed_bytes)
         self.starts = [np.zeros(0)] + [
             np.array([s for s, _ in nb], dtype=np.int64) for nb in cuts.new_bytes
         ] + [np.zeros(0)]
         self.suffix = [np.zeros(1)]
         for nb in cuts.new_bytes:
-            sizes = np.array([size for _, size in nb], dtype=float)
-            self.suffix.append(np.concatenate([np.cumsum(sizes[::-1])[::-1], [0.0]]))
+            self.suffix.append(_suffix_sums(np.array([size for _, size in nb], dtype=float)))
         self.suffix.append(np.zeros(1))
         self.largest = np.asarray(cuts.largest, dtype=float)
-        # what the op at a cut contributes when its copy is never run (see cuts.Cuts)
-        pruned = ~np.asarray(cuts.reads_outputs + (True,), dtype=bool)[self.positions]
-        own_flops = np.diff(self.flops)[self.positions]
-        own_bytes = np.diff(self.output_bytes)[self.positions]
-        self.pruned_flops = np.where(pruned, own_flops, 0.0)
-        self.pruned_bytes = np.where(pruned, own_bytes, 0.0)
+        # ops a segment ending at a cut never runs (see cuts.Cuts.pruned): their
+        # positions, and suffix sums of their work and bytes
+        none = (np.zeros(0, dtype=np.int64), np.zeros(1), np.zeros(1))
+        self.pruned = [none]
+        for entries in cuts.pruned:
+            where = np.array([e[0] for e in entries], dtype=np.int64)
+            work = np.array([e[1] for e in entries], dtype=float)
+            size = np.array([e[2] for e in entries], dtype=float)
+            self.pruned.append((where, _suffix_sums(work), _suffix_sums(size)))
+        self.pruned.append(none)
 
     def __len__(self):
         return len(self.positions)
 
-    def work(self, a: np.ndarray, b: int) -> np.ndarray:
+    def segment_bytes(self, a: np.ndarray, b: int) -> np.ndarray:
         """Bytes allocated while segments (a, b] are recomputed and differentiated."""
         pa, pb = self.positions[a], self.positions[b]
-        outputs = self.output_bytes[pb + 1] - self.output_bytes[pa + 1] - self.pruned_bytes[b]
+        outputs = self.output_bytes[pb + 1] - self.output_bytes[pa + 1] - self._pruned(a, b, 2)
         # largest output in (pa, pb]: a suffix maximum, since pb is the same for all a
         start = int(pa.min()) + 1
         suffix = np.maximum.accumulate(self.largest[start: pb + 1][::-1])[::-1]
@@ -73,8 +82,13 @@ class CutProblem:
 
     def cost(self, a: np.ndarray, b: int) -> np.ndarray:
         pa, pb = self.positions[a], self.positions[b]
-        flops = self.flops[pb + 1] - self.flops[pa + 1] - self.pruned_flops[b]
-        return np.where(pb - pa <= 1, 0.0, flops)
+        work = self.work_prefix[pb + 1] - self.work_prefix[pa + 1] - self._pruned(a, b, 1)
+        return np.where(pb - pa <= 1, 0.0, work)
+
+    def _pruned(self, a: np.ndarray, b: int, column: int) -> np.ndarray:
+        """Work (column 1) or bytes (2) of the ops in segments (a, b] that never run."""
+        where = self.pruned[b][0]
+        return self.pruned[b][column][np.searchsorted(where, self.positions[a], side="right")]
 
     def first_within(self, b: int, limit: float) -> int:
         """The first candidate a whose segment (a, b] allocates less than ``limit``."""
@@ -88,7 +102,7 @@ class CutProblem:
 def least_recompute(problem: CutProblem, budget: float, levels: int = 120):
     """Indices of the chosen cuts (1..n) with least recomputation within ``budget``.
 
-    Returns ``(cuts, recompute_flops)``, or None when no choice fits.
+    Returns ``(cuts, recompute_work)``, or None when no choice fits.
     """
     n = len(problem)
     if budget <= problem.fixed_bytes:
@@ -105,7 +119,7 @@ def least_recompute(problem: CutProblem, budget: float, levels: int = 120):
         preds = np.arange(max(lo, 0), b)
         if preds.size == 0:
             continue
-        work = problem.work(preds, b)
+        work = problem.segment_bytes(preds, b)
         ok = work < budget
         preds, work = preds[ok], work[ok]
         if preds.size == 0:
@@ -157,7 +171,7 @@ def smallest_budget(problem: CutProblem, levels: int = 120) -> float:
     best[0, 0] = 0.0
     for b in range(1, n):
         preds = np.arange(0, b)
-        work = problem.work(preds, b)
+        work = problem.segment_bytes(preds, b)
         if b == n - 1:
             shift = np.zeros(preds.shape, dtype=np.int64)
         else:

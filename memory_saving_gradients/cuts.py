@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .graph import ForwardRegion, gradient_reads, tensor_order
+import heapq
+import math
+
+from .graph import ForwardRegion, gradient_reads, gradient_reads_output_of, tensor_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,29 +20,32 @@ class Cuts:
 
     After the op at ``positions[i]`` runs, the tensors ``tensors[i]`` are the
     ones still waiting for a later consumer: keeping them separates everything
-    before from everything after.  ``output_bytes[p]`` and ``flops[p]`` are
+    before from everything after.  ``output_bytes[p]`` and ``work[p]`` are
     prefix sums over the ops at positions <= p (what a segment allocates and
-    computes), ``largest[p]`` the size of the op's largest output, and
-    ``reads_outputs[p]`` whether the op's gradient reads its outputs (if not,
-    a copy of it at the end of a segment is never run: nothing reads it).
+    computes), ``largest[p]`` the size of the op's largest output.  A copy
+    runs only if a gradient in its segment reads it or a copy that runs reads
+    it (:func:`graph.copies_that_run`); ops no gradient ever reads are left
+    out of the prefix sums, and ``pruned[i]`` lists ``(position, work,
+    bytes)`` of the ops that a segment ending at cut ``i`` would not run,
+    sorted by position.
     """
 
     positions: tuple
     tensors: tuple
     new_bytes: tuple      # per cut: [(start position, bytes)] of its tensors, sorted by start
     output_bytes: tuple
-    flops: tuple
+    work: tuple
     largest: tuple
-    reads_outputs: tuple
+    pruned: tuple
 
 
-def live_cuts(region: ForwardRegion, size, flops, alias_types=frozenset(),
+def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
               max_cuts: int = 400) -> Cuts:
     """The cuts of the region, in one sweep over its ops (linear in ops + edges).
 
     Consecutive positions with the same live set give one cut; when there are
     more than ``max_cuts``, the cheapest cut of each of ``max_cuts`` equal
-    stretches of the order is kept.  ``size(t)`` and ``flops(op)`` give bytes
+    stretches of the order is kept.  ``size(t)`` and ``cost(op)`` give bytes
     and work; outputs of ``alias_types`` ops share their input's buffer and
     cost nothing of their own.
     """
@@ -56,8 +62,9 @@ def live_cuts(region: ForwardRegion, size, flops, alias_types=frozenset(),
             if op.type in alias_types and op.inputs and op.inputs[0].op in position:
                 source = op.inputs[0].ref()
                 end_of[source] = max(end_of.get(source, 0), end)
-    output_prefix, flop_prefix, largest, reads_outputs = [], [], [], []
-    total_bytes = total_flops = 0
+    first_read = _first_reads(order, position)
+    output_prefix, work_prefix, largest, op_work, op_bytes = [], [], [], [], []
+    total_bytes = total_work = 0
     starts: dict = {}
     for i, op in enumerate(order):
         own = 0
@@ -69,12 +76,15 @@ def live_cuts(region: ForwardRegion, size, flops, alias_types=frozenset(),
             big = max(big, nbytes)
             if end_of[t.ref()] > i:
                 starts.setdefault(i, []).append(t)
-        total_bytes += own
-        total_flops += flops(op)
+        work = cost(op)
+        op_work.append(work)
+        op_bytes.append(own)
+        if first_read[i] < math.inf:  # else no copy of it ever runs
+            total_bytes += own
+            total_work += work
         output_prefix.append(total_bytes)
-        flop_prefix.append(total_flops)
+        work_prefix.append(total_work)
         largest.append(big)
-        reads_outputs.append(bool(gradient_reads(op)[1]))
     # Sweep: live set after each position; a cut where the set changes next.
     ending: dict = {}
     for i, ts in starts.items():
@@ -106,5 +116,41 @@ def live_cuts(region: ForwardRegion, size, flops, alias_types=frozenset(),
     new_bytes = tuple(
         tuple(sorted((position[t.op], own_bytes[t.ref()]) for t in ts)) for ts in tensors
     )
-    return Cuts(positions, tensors, new_bytes, tuple(output_prefix), tuple(flop_prefix),
-                tuple(largest), tuple(reads_outputs))
+    pruned = _pruned_at(positions, first_read, op_work, op_bytes)
+    return Cuts(positions, tensors, new_bytes, tuple(output_prefix), tuple(work_prefix),
+                tuple(largest), pruned)
+
+
+def _first_reads(order, position) -> list:
+    """Per op: the first position at which a gradient reads it or what it feeds.
+
+    A segment ending before that position never runs the op's copy; ``inf``:
+    no segment does.  One reverse sweep, linear in ops + edges.
+    """
+    first = [math.inf] * len(order)
+    for i in range(len(order) - 1, -1, -1):
+        op = order[i]
+        best = i if gradient_reads(op)[1] else math.inf
+        for t in op.outputs:
+            for c in t.consumers():
+                j = position.get(c)
+                if j is not None:
+                    best = min(best, j if gradient_reads_output_of(op, c) else first[j])
+        first[i] = best
+    return first
+
+
+def _pruned_at(positions, first_read, op_work, op_bytes) -> tuple:
+    """Per cut: the ops at or before it whose first read comes after it."""
+    pruned = []
+    waiting: list = []
+    next_op = 0
+    for p in positions:
+        while next_op <= p:
+            if first_read[next_op] < math.inf:
+                heapq.heappush(waiting, (first_read[next_op], next_op))
+            next_op += 1
+        while waiting and waiting[0][0] <= p:
+            heapq.heappop(waiting)
+        pruned.append(tuple(sorted((i, op_work[i], op_bytes[i]) for _, i in waiting)))
+    return tuple(pruned)

@@ -144,6 +144,34 @@ def gradient_reads(op: tf.Operation, needs_gradient=lambda tensor: True) -> tupl
     return tuple(op.inputs), ()
 
 
+def gradient_reads_output_of(op: tf.Operation, consumer: tf.Operation) -> bool:
+    """Whether ``consumer``'s gradient reads an output of ``op`` (its values, or a shape
+    that is not static: TensorFlow then reads it at run time)."""
+    read = {t.ref() for t in gradient_reads(consumer)[0]}
+    return any(
+        t.op is op and (t.ref() in read or not t.shape.is_fully_defined())
+        for t in consumer.inputs
+    )
+
+
+def copies_that_run(ops: Sequence[tf.Operation]) -> set:
+    """The ops of a recomputed segment whose copies actually run.
+
+    A copy runs when a gradient in the segment reads its outputs, or when it
+    feeds a copy that runs; the others (e.g. a convolution that only feeds a
+    residual add) are pruned by grappler, since nothing reads them.
+    """
+    inside = set(ops)
+    running: set = set()
+    for op in sorted(ops, key=op_order, reverse=True):
+        if gradient_reads(op)[1] or any(
+            c in running or gradient_reads_output_of(op, c)
+            for t in op.outputs for c in t.consumers() if c in inside
+        ):
+            running.add(op)
+    return running
+
+
 def is_differentiable_in_place(op: tf.Operation) -> bool:
     """Whether ``op``'s registered gradient can be called on its own, outside ``tf.gradients``.
 

@@ -40,14 +40,14 @@ class Prediction:
     """A predicted peak, in bytes, and what it assumed."""
 
     peak_bytes: int
-    recompute_flops: float
-    forward_flops: float
+    recompute_work: float
+    forward_work: float
     assumptions: tuple = ()
 
     @property
     def recompute_cost(self) -> float:
         """Extra forward work, as a fraction of one forward pass."""
-        return self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+        return self.recompute_work / self.forward_work if self.forward_work else 0.0
 
 
 class Sizer:
@@ -98,7 +98,24 @@ def op_flops(op: tf.Operation) -> float:
         if op.type in ("MatMul", "_FusedMatMul") and op.get_attr("transpose_a"):
             inner = first[0] or 1
         return 2.0 * out * inner
+    if op.type.startswith("FusedBatchNorm"):
+        return 10.0 * out  # statistics, then normalisation
     return float(out)
+
+
+#: A byte read or written costs as much as this many flops: on CPUs and GPUs
+#: alike, elementwise ops and normalisations are bound by memory traffic.
+BYTE_COST = 4.0
+
+
+def op_cost(op: tf.Operation) -> float:
+    """Modelled time of one op, in flops: its arithmetic plus its memory traffic.
+
+    Recomputation is priced with this, so that a plan that recomputes many
+    cheap-looking normalisations is not mistaken for a free one.
+    """
+    traffic = sum(graph_lib.tensor_bytes(t) for t in list(op.inputs) + list(op.outputs))
+    return op_flops(op) + BYTE_COST * traffic
 
 
 class _Timeline:
@@ -228,8 +245,8 @@ def predict_baseline(
         step += 1
         _backward_op(op, step, timeline, grads, region, xs_refs, size)
     grads.finish(fetched)
-    forward_flops = sum(op_flops(op) for op in region.order)
-    return Prediction(timeline.peak(step + 1), 0.0, forward_flops, size.assumptions())
+    forward_work = sum(op_cost(op) for op in region.order)
+    return Prediction(timeline.peak(step + 1), 0.0, forward_work, size.assumptions())
 
 
 def predict_checkpointed(
@@ -253,7 +270,7 @@ def predict_checkpointed(
     groups = sorted(
         {t.op for t in kept.values() if t.op in region}, key=graph_lib.op_order, reverse=True
     )
-    recompute_flops = 0.0
+    recompute_work = 0.0
     for index, op in enumerate(groups):
         targets = [t for t in op.outputs if t.ref() in kept and grads.has(t)]
         if not targets:
@@ -266,11 +283,12 @@ def predict_checkpointed(
             return (index, ref) if tensor.op in inside else ref
 
         if segment.recompute:
+            running = graph_lib.copies_that_run(segment.ops)
             for seg_op in segment.ops:
-                if seg_op is op and not graph_lib.gradient_reads(op)[1]:
+                if seg_op not in running:
                     continue  # nothing reads this copy: grappler prunes it
                 step += 1
-                recompute_flops += op_flops(seg_op)
+                recompute_work += op_cost(seg_op)
                 for t in seg_op.inputs:
                     timeline.use(rename(t.ref()), step)
                 for t in seg_op.outputs:
@@ -285,7 +303,7 @@ def predict_checkpointed(
             step += 1
             _backward_op(seg_op, step, timeline, grads, region, xs_refs, size, rename)
     grads.finish(fetched)
-    forward_flops = sum(op_flops(op) for op in region.order)
+    forward_work = sum(op_cost(op) for op in region.order)
     return Prediction(
-        timeline.peak(step + 1), recompute_flops, forward_flops, size.assumptions()
+        timeline.peak(step + 1), recompute_work, forward_work, size.assumptions()
     )

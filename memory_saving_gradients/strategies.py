@@ -113,7 +113,7 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
     :mod:`.simulate`, which has the last word.
     """
     size = simulate.Sizer(unknown_dim)
-    cuts = cuts_lib.live_cuts(region, size, simulate.op_flops, simulate.ALIAS_OP_TYPES)
+    cuts = cuts_lib.live_cuts(region, size, simulate.op_cost, simulate.ALIAS_OP_TYPES)
     if not cuts.positions:
         return []
     # With a budget, plans are judged as plan() reports them: the gradients of
