@@ -20,6 +20,8 @@ class Plan:
       recompute_cost: extra forward work, as a fraction of one forward pass.
       strategy: the strategy name, or ``'list'`` for tensors given by the user.
       assumptions: what the memory model had to assume (unknown dimensions).
+      recomputed_ops: ``(op type, count)`` of the copies the backward pass runs,
+        most frequent first (copies that nothing reads are pruned, not run).
     """
 
     checkpoints: tuple
@@ -28,6 +30,7 @@ class Plan:
     recompute_cost: float
     strategy: str
     assumptions: tuple = ()
+    recomputed_ops: tuple = ()
 
     @property
     def predicted_ratio(self) -> float:
@@ -42,6 +45,10 @@ class Plan:
             f"for tf.gradients ({self.predicted_ratio:.2f}x), recomputation "
             f"{self.recompute_cost:.2f} of a forward pass",
         ]
+        if self.recomputed_ops:
+            lines.append(
+                "  recomputes: " + ", ".join(f"{n} {kind}" for kind, n in self.recomputed_ops)
+            )
         for t in self.checkpoints:
             lines.append(
                 f"  {t.name:<60s} {str(t.shape):<22s} {graph_lib.tensor_bytes(t) / mb:9.2f} MB"
@@ -61,4 +68,5 @@ def make_plan(ys, xs, region, checkpoints: Sequence, strategy: str) -> Plan:
         recompute_cost=predicted.recompute_cost,
         strategy=strategy,
         assumptions=tuple(sorted(set(predicted.assumptions + baseline.assumptions))),
+        recomputed_ops=predicted.recomputed_ops,
     )

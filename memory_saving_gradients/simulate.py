@@ -19,6 +19,7 @@ tests.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -43,6 +44,7 @@ class Prediction:
     recompute_work: float
     forward_work: float
     assumptions: tuple = ()
+    recomputed_ops: tuple = ()  # (op type, how many copies of that type run), by count
 
     @property
     def recompute_cost(self) -> float:
@@ -271,6 +273,7 @@ def predict_checkpointed(
         {t.op for t in kept.values() if t.op in region}, key=graph_lib.op_order, reverse=True
     )
     recompute_work = 0.0
+    recomputed = collections.Counter()
     for index, op in enumerate(groups):
         targets = [t for t in op.outputs if t.ref() in kept and grads.has(t)]
         if not targets:
@@ -289,6 +292,7 @@ def predict_checkpointed(
                     continue  # nothing reads this copy: grappler prunes it
                 step += 1
                 recompute_work += op_cost(seg_op)
+                recomputed[seg_op.type] += 1
                 for t in seg_op.inputs:
                     timeline.use(rename(t.ref()), step)
                 for t in seg_op.outputs:
@@ -305,5 +309,6 @@ def predict_checkpointed(
     grads.finish(fetched)
     forward_work = sum(op_cost(op) for op in region.order)
     return Prediction(
-        timeline.peak(step + 1), recompute_work, forward_work, size.assumptions()
+        timeline.peak(step + 1), recompute_work, forward_work, size.assumptions(),
+        tuple(recomputed.most_common()),
     )

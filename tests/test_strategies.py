@@ -9,6 +9,7 @@ issue's, the slack stated where a prediction is compared.
 
 from __future__ import annotations
 
+import collections
 import logging
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import profiling, strategies
+from memory_saving_gradients import graph as graph_lib, profiling, strategies
 import test_models
 
 MB = 2.0**20
@@ -228,3 +229,52 @@ def test_strategies_registry():
     assert {"collection", "speed", "memory"} <= set(msg.available_strategies())
     with pytest.raises(ValueError, match="Unknown checkpoint strategy"):
         strategies.get("fastest")
+
+
+def test_copies_nothing_reads_are_not_run(graph):
+    """A conv that only feeds a residual add, and the add, are never recomputed."""
+    x = tf.compat.v1.placeholder(tf.float32, [2, 8, 8, 4])
+    w = tf.Variable(np.ones([3, 3, 4, 4], np.float32))
+    p = tf.nn.relu(x)
+    h = tf.nn.conv2d(p, w, 1, "SAME")
+    out = h + x
+    running = graph_lib.copies_that_run([p.op, h.op, out.op])
+    assert running == {p.op}  # relu's gradient reads its output; conv reads relu's
+    squared = tf.square(out)
+    assert graph_lib.copies_that_run([h.op, out.op, squared.op]) == {h.op, out.op}
+
+
+def _executed(metadata) -> collections.Counter:
+    """Op types the step ran (oneDNN's _MklNative prefixes removed)."""
+    counts = collections.Counter()
+    for device in metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+            label = node.timeline_label
+            if " = " in label:
+                kind = label.split(" = ", 1)[1].split("(", 1)[0]
+                counts[kind.replace("_MklNative", "").replace("_Mkl", "")] += 1
+    return counts
+
+
+@pytest.mark.parametrize("checkpoints", ["memory", "collection", "speed"])
+def test_plan_counts_the_convolutions_a_step_recomputes(checkpoints):
+    """plan().recomputed_ops matches what grappler leaves to run: extra Conv2D
+    executions of the checkpointed step over plain tf.gradients."""
+    ran = {}
+    for variant in ("tf", checkpoints):
+        graph = tf.Graph()
+        with graph.as_default():
+            model = test_models.build("resnet", depth=20, batch=4, add_to_collection=True)
+            if variant == "tf":
+                grads = tf.compat.v1.gradients(model.loss, model.params)
+            else:
+                the_plan = msg.plan(model.loss, model.params, checkpoints=checkpoints)
+                grads = msg.gradients(model.loss, model.params, checkpoints=checkpoints)
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                _, metadata = profiling.traced_run(session, grads, model.feed_dict)
+            ran[variant] = _executed(metadata)
+    predicted = dict(the_plan.recomputed_ops)
+    assert ran[checkpoints]["Conv2D"] - ran["tf"]["Conv2D"] == predicted.get("Conv2D", 0)
+    assert ("Conv2D" in predicted) == (checkpoints != "speed")
+    assert "recomputes" in str(the_plan)
