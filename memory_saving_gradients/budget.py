@@ -62,9 +62,23 @@ class CutProblem:
             size = np.array([e[2] for e in entries], dtype=float)
             self.pruned.append((where, _suffix_sums(work), _suffix_sums(size)))
         self.pruned.append(none)
+        self._rows: dict = {}
 
     def __len__(self):
         return len(self.positions)
+
+    def row(self, b: int) -> tuple:
+        """``(segment_bytes, new_kept, cost)`` for every predecessor ``a < b`` of ``b``.
+
+        Computed once per ``b`` and reused: the dynamic programs run several times
+        over the same problem with different budgets.
+        """
+        cached = self._rows.get(b)
+        if cached is None:
+            preds = np.arange(b)
+            cached = (self.segment_bytes(preds, b), self.new_kept(preds, b), self.cost(preds, b))
+            self._rows[b] = cached
+        return cached
 
     def segment_bytes(self, a: np.ndarray, b: int) -> np.ndarray:
         """Bytes allocated while segments (a, b] are recomputed and differentiated."""
@@ -116,20 +130,21 @@ def least_recompute(problem: CutProblem, budget: float, levels: int = 120):
     level_index = np.arange(width)
     for b in range(1, n):
         lo = problem.first_within(b, budget)
-        preds = np.arange(max(lo, 0), b)
+        lo = max(lo, 0)
+        if lo >= b:
+            continue
+        all_bytes, all_kept, all_cost = problem.row(b)
+        ok = all_bytes[lo:] < budget
+        preds = np.arange(lo, b)[ok]
         if preds.size == 0:
             continue
-        work = problem.segment_bytes(preds, b)
-        ok = work < budget
-        preds, work = preds[ok], work[ok]
-        if preds.size == 0:
-            continue
+        work = all_bytes[preds]
         room = np.minimum(np.floor((budget - work) / quantum), levels).astype(np.int64)
         if b == n - 1:
             shift = np.zeros(preds.shape, dtype=np.int64)
         else:
-            shift = np.ceil(problem.new_kept(preds, b) / quantum).astype(np.int64)
-        cost = problem.cost(preds, b)
+            shift = np.ceil(all_kept[preds] / quantum).astype(np.int64)
+        cost = all_cost[preds]
         # candidate[a, k]: reach level k at b from level k - shift[a] at a
         source = level_index[None, :] - shift[:, None]
         valid = (source >= 0) & (source <= room[:, None])
@@ -171,11 +186,11 @@ def smallest_budget(problem: CutProblem, levels: int = 120) -> float:
     best[0, 0] = 0.0
     for b in range(1, n):
         preds = np.arange(0, b)
-        work = problem.segment_bytes(preds, b)
+        work, kept, _ = problem.row(b)
         if b == n - 1:
             shift = np.zeros(preds.shape, dtype=np.int64)
         else:
-            shift = np.ceil(problem.new_kept(preds, b) / quantum).astype(np.int64)
+            shift = np.ceil(kept / quantum).astype(np.int64)
         source = level_index[None, :] - shift[:, None]
         valid = source >= 0
         safe = np.clip(source, 0, levels)
@@ -184,15 +199,21 @@ def smallest_budget(problem: CutProblem, levels: int = 120) -> float:
     return float(best[n - 1].min())
 
 
-def refine_floor(problem: CutProblem, upper: float, steps: int = 3) -> float:
-    """Bisect below ``upper`` with the finer quantisation of :func:`least_recompute`."""
+def refine_floor(problem: CutProblem, upper: float, steps: int = 3) -> tuple:
+    """Bisect below ``upper`` with the finer quantisation of :func:`least_recompute`.
+
+    Returns ``(budget, solution)``: the least budget found feasible and
+    :func:`least_recompute`'s solution at it (None if even ``upper`` is not).
+    """
     lower = 0.5 * upper
-    if least_recompute(problem, upper) is None:
-        return upper
+    solution = least_recompute(problem, upper)
+    if solution is None:
+        return upper, None
     for _ in range(steps):
         middle = (lower + upper) / 2
-        if least_recompute(problem, middle) is None:
+        found = least_recompute(problem, middle)
+        if found is None:
             lower = middle
         else:
-            upper = middle
-    return upper
+            upper, solution = middle, found
+    return upper, solution

@@ -53,17 +53,33 @@ class Prediction:
 
 
 class Sizer:
-    """Tensor sizes in bytes, remembering which dimensions it had to assume."""
+    """Tensor sizes in bytes and op costs, remembered, with the dimensions it had to assume.
+
+    One Sizer can serve several predictions over the same graph.
+    """
 
     def __init__(self, unknown_dim: int = 1):
         self.unknown_dim = unknown_dim
         self.assumed: set = set()
+        self._bytes: dict = {}
+        self._costs: dict = {}
 
     def __call__(self, tensor: tf.Tensor) -> int:
-        shape = tensor.shape
-        if shape.rank is None or any(d is None for d in shape.as_list()):
-            self.assumed.add(tensor.name)
-        return graph_lib.tensor_bytes(tensor, self.unknown_dim)
+        key = tensor.ref()
+        found = self._bytes.get(key)
+        if found is None:
+            shape = tensor.shape
+            if shape.rank is None or not shape.is_fully_defined():
+                self.assumed.add(tensor.name)
+            found = self._bytes[key] = graph_lib.tensor_bytes(tensor, self.unknown_dim)
+        return found
+
+    def cost(self, op: tf.Operation) -> float:
+        """:func:`op_cost`, with this Sizer's sizes."""
+        found = self._costs.get(op)
+        if found is None:
+            found = self._costs[op] = op_cost(op, self)
+        return found
 
     def assumptions(self) -> tuple:
         if not self.assumed:
@@ -110,13 +126,13 @@ def op_flops(op: tf.Operation) -> float:
 BYTE_COST = 4.0
 
 
-def op_cost(op: tf.Operation) -> float:
+def op_cost(op: tf.Operation, size=graph_lib.tensor_bytes) -> float:
     """Modelled time of one op, in flops: its arithmetic plus its memory traffic.
 
     Recomputation is priced with this, so that a plan that recomputes many
     cheap-looking normalisations is not mistaken for a free one.
     """
-    traffic = sum(graph_lib.tensor_bytes(t) for t in list(op.inputs) + list(op.outputs))
+    traffic = sum(size(t) for t in list(op.inputs) + list(op.outputs))
     return op_flops(op) + BYTE_COST * traffic
 
 
@@ -230,13 +246,14 @@ def predict_baseline(
     xs: Sequence[tf.Tensor],
     unknown_dim: int = 1,
     fetched: bool = True,
+    sizer: Sizer | None = None,
 ) -> Prediction:
     """Predicted peak of plain ``tf.gradients`` over the region.
 
     ``fetched``: the gradients of xs stay to the end of the step (fetched);
     otherwise each is used as soon as it is made (e.g. by an optimizer's update).
     """
-    size = Sizer(unknown_dim)
+    size = sizer or Sizer(unknown_dim)
     timeline = _Timeline()
     grads = _Gradients(timeline)
     step = _forward(timeline, region, size)
@@ -247,7 +264,7 @@ def predict_baseline(
         step += 1
         _backward_op(op, step, timeline, grads, region, xs_refs, size)
     grads.finish(fetched)
-    forward_work = sum(op_cost(op) for op in region.order)
+    forward_work = sum(size.cost(op) for op in region.order)
     return Prediction(timeline.peak(step + 1), 0.0, forward_work, size.assumptions())
 
 
@@ -258,10 +275,11 @@ def predict_checkpointed(
     checkpoints: Sequence[tf.Tensor],
     unknown_dim: int = 1,
     fetched: bool = True,
+    sizer: Sizer | None = None,
 ) -> Prediction:
     """Predicted peak of :func:`checkpointing.gradients` with these checkpoints (see
-    :func:`predict_baseline` for ``fetched``)."""
-    size = Sizer(unknown_dim)
+    :func:`predict_baseline` for ``fetched``; ``sizer`` shares sizes between predictions)."""
+    size = sizer or Sizer(unknown_dim)
     timeline = _Timeline()
     grads = _Gradients(timeline)
     step = _forward(timeline, region, size)
@@ -291,7 +309,7 @@ def predict_checkpointed(
                 if seg_op not in running:
                     continue  # nothing reads this copy: grappler prunes it
                 step += 1
-                recompute_work += op_cost(seg_op)
+                recompute_work += size.cost(seg_op)
                 recomputed[seg_op.type] += 1
                 for t in seg_op.inputs:
                     timeline.use(rename(t.ref()), step)
@@ -307,7 +325,7 @@ def predict_checkpointed(
             step += 1
             _backward_op(seg_op, step, timeline, grads, region, xs_refs, size, rename)
     grads.finish(fetched)
-    forward_work = sum(op_cost(op) for op in region.order)
+    forward_work = sum(size.cost(op) for op in region.order)
     return Prediction(
         timeline.peak(step + 1), recompute_work, forward_work, size.assumptions(),
         tuple(recomputed.most_common()),

@@ -113,7 +113,7 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
     :mod:`.simulate`, which has the last word.
     """
     size = simulate.Sizer(unknown_dim)
-    cuts = cuts_lib.live_cuts(region, size, simulate.op_cost, simulate.ALIAS_OP_TYPES)
+    cuts = cuts_lib.live_cuts(region, size, size.cost, simulate.ALIAS_OP_TYPES)
     if not cuts.positions:
         return []
     # With a budget, plans are judged as plan() reports them: the gradients of
@@ -125,21 +125,21 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
     ) if fetched else 0
     problem = budget_lib.CutProblem(cuts, fixed)
 
-    def proposal(model_budget):
-        solution = budget_lib.least_recompute(problem, model_budget)
+    def proposal(model_budget, solution=None):
+        solution = solution or budget_lib.least_recompute(problem, model_budget)
         if solution is None:
             return None
         tensors = [
             t for i in solution[0] for t in cuts.tensors[i - 1] if graph_lib.is_recomputable(t.op)
         ]
         peak = simulate.predict_checkpointed(
-            region, ys, xs, tensors, unknown_dim, fetched
+            region, ys, xs, tensors, unknown_dim, fetched, size
         ).peak_bytes
         return peak, solution[1], tensors
 
     def near_floor():
-        floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
-        return [p for p in (proposal(f * floor) for f in (1.0, 1.15)) if p]
+        floor, at_floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
+        return [p for p in (proposal(floor, at_floor), proposal(1.15 * floor)) if p]
 
     if memory_budget is None:
         proposals = near_floor()
@@ -149,7 +149,7 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
         peak, _, tensors = min(
             (p for p in proposals if p[0] <= 1.05 * lowest), key=lambda p: (p[1], p[0])
         )
-        baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched).peak_bytes
+        baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, size).peak_bytes
         if peak >= baseline:
             return []
         return tensors

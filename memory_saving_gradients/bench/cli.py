@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
                    help="memory+budget: memory_budget as a fraction of plan()'s predicted "
                    "tf.gradients peak")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per variant (default 7; quick: 2)")
+                   help="timed steps per variant, after one untimed round (default 15; quick: 2)")
     p.add_argument("--cap-mb", type=float, default=None,
                    help="'fits in N MB': the memory cap (0: skip the search; default 64, "
                    "quick: 0.6)")
@@ -179,7 +179,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _quick_defaults(args) -> None:
     """Fill the options left unset: full defaults, or tiny ones with --quick."""
-    for name, full, quick in (("steps", 7, 2), ("cap_mb", 64.0, 0.6), ("train_steps", 50, 5),
+    for name, full, quick in (("steps", 15, 2), ("cap_mb", 64.0, 0.6), ("train_steps", 50, 5),
                               ("scaling_sizes", "2500,10000", "none")):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)

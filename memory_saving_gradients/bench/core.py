@@ -336,11 +336,13 @@ class Prepared:
     def ready(self) -> bool:
         return self._session is not None
 
-    def step(self) -> float:
-        """Run one untraced step; return (and record) its seconds."""
+    def step(self, record: bool = True) -> float:
+        """Run one untraced step; return (and record, unless told not to) its seconds."""
         start = time.perf_counter()
         self._session.run(self._fetches, self._feed)
         elapsed = time.perf_counter() - start
+        if not record:
+            return elapsed
         self.times.append(elapsed)
         self.result.median_step_seconds = statistics.median(self.times)
         return elapsed
@@ -352,12 +354,13 @@ class Prepared:
         gc.collect()
 
 
-def time_interleaved(prepared: Sequence[Prepared], steps: int) -> None:
-    """``steps`` rounds, each running one step of every ready variant in turn."""
-    for _ in range(max(0, steps)):
+def time_interleaved(prepared: Sequence[Prepared], steps: int, warmup: int = 1) -> None:
+    """``warmup`` untimed rounds, then ``steps`` timed rounds, each running one step
+    of every ready variant in turn."""
+    for round_index in range(max(0, warmup) + max(0, steps)):
         for p in prepared:
             if p.ready:
-                p.step()
+                p.step(record=round_index >= warmup)
 
 
 def prepare(
@@ -464,6 +467,7 @@ def _build_graph_variant(spec, variant, device, seed, budget_fraction, check_gra
                     result.predicted_peak_bytes = result.baseline_predicted_bytes
             except Exception:  # the planner is optional for the baselines
                 logger.debug("plan() failed for the baseline", exc_info=True)
+        gc.collect()  # so that no earlier variant's garbage is collected inside the timing
         start = time.perf_counter()
         if strategy is None:
             grads = tf_gradients(loss, xs)
