@@ -276,7 +276,7 @@ def _backprop(
         ] + previous_results
         if segment.recompute:
             differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
-            inputs = rewrite.proxies(differentiable, f"recompute_{index}/inputs")
+            inputs = rewrite.proxies(differentiable, f"recompute_{index}/inputs", waits)
             copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")
             try:
                 input_grads = tf_gradients(

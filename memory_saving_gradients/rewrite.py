@@ -45,8 +45,8 @@ def copy_ops(
     An input of a copied op is taken from, in order: the copy of its producer,
     ``replacements`` (keyed by ``tensor.ref()``), or the original tensor.
     Control inputs between copied ops are mapped to the copies, others are
-    kept; every copy that reads no other copy also gets ``control_inputs``
-    (the others wait for them through their data).  Device, colocation, attrs
+    kept; every copy that reads neither another copy nor a replacement also
+    gets ``control_inputs`` (the others wait for them through their data).  Device, colocation, attrs
     and static shapes of the originals are kept.
     """
     if not ops:
@@ -69,10 +69,10 @@ def copy_ops(
             )
             new_op._set_device(op.device)  # pylint: disable=protected-access
             deps = [copied_ops.get(c, c) for c in op.control_inputs]
-            if not any(t.op in copied_ops for t in op.inputs):
-                # Only copies that read no other copy wait for control_inputs;
-                # the rest wait through their data, and grappler may still
-                # optimize them (it skips ops with control inputs).
+            if not any(t.op in copied_ops or t.ref() in replacements for t in op.inputs):
+                # Only copies that read neither another copy nor a replacement
+                # wait for control_inputs; the rest wait through their data,
+                # and grappler may still optimize them (see proxies()).
                 deps.extend(control_inputs)
             if deps:
                 new_op._add_control_inputs(_unique_ops(deps))  # pylint: disable=protected-access
@@ -193,17 +193,30 @@ def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:
     return _gradients_util._ZerosLike(x)  # pylint: disable=protected-access
 
 
-def proxies(tensors: Sequence[tf.Tensor], name_scope: str) -> dict:
-    """An identity of each tensor, keyed by the original's ``ref()``.
+def proxies(
+    tensors: Sequence[tf.Tensor], name_scope: str, control_inputs: Sequence[tf.Operation] = ()
+) -> dict:
+    """An identity of each tensor, keyed by the original's ``ref()``, waiting for ``control_inputs``.
 
     Copies read the kept tensors through these, so that differentiating the
     copies with respect to them walks only the copies, never the rest of the
     original graph (which would make every segment cost the whole graph).
+    The copies themselves then need no control inputs: grappler skips some
+    optimizations of ops that have them, and one of its rewrites (``Pow`` with
+    exponent 3 into ``Square`` times its input) fails on such an op in TF 2.21,
+    which makes the whole graph go unoptimized.
     """
     if not tensors:
         return {}
     with clean_scope(tensors[0].graph, name_scope):
-        return {t.ref(): tf.identity(t) for t in tensors}
+        made = {t.ref(): tf.identity(t) for t in tensors}
+    waits = _unique_ops(control_inputs)
+    if waits:
+        for proxy in made.values():
+            # not tf.control_dependencies: it would mark the waited-for ops
+            # (originals) with an attribute, changing their NodeDefs
+            proxy.op._add_control_inputs(waits)  # pylint: disable=protected-access
+    return made
 
 
 def op_gradients(
