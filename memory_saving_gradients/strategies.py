@@ -98,11 +98,18 @@ def memory(
 ) -> list:
     """Bottleneck cuts spaced by bytes, chosen by :mod:`.budget`.
 
-    Without a budget: the least peak the memory model can reach (or, within
-    5% of it, the plan with the least recomputation).  With ``memory_budget`` (bytes): the least
-    recomputation whose predicted peak fits it; ValueError if none does.
+    Without a budget: the plan with the least recomputation whose predicted
+    peak is within ``MEMORY_SLACK`` (a tenth) of plain ``tf.gradients``' peak
+    above the least peak the memory model can reach.  With ``memory_budget``
+    (bytes): the least recomputation whose predicted peak fits it; ValueError
+    if none does.
     """
     return memory_checkpoints(ys, xs, region, memory_budget)
+
+
+#: Without a budget, 'memory' may give up this fraction of plain tf.gradients'
+#: predicted peak, above the least peak it finds, to recompute less.
+MEMORY_SLACK = 0.1
 
 
 def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> list:
@@ -125,31 +132,45 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
     ) if fetched else 0
     problem = budget_lib.CutProblem(cuts, fixed)
 
+    simulated: dict = {}
+
     def proposal(model_budget, solution=None):
         solution = solution or budget_lib.least_recompute(problem, model_budget)
         if solution is None:
             return None
-        tensors = [
-            t for i in solution[0] for t in cuts.tensors[i - 1] if graph_lib.is_recomputable(t.op)
-        ]
-        peak = simulate.predict_checkpointed(
-            region, ys, xs, tensors, unknown_dim, fetched, size
-        ).peak_bytes
-        return peak, solution[1], tensors
+        key = tuple(solution[0])
+        if key not in simulated:
+            tensors = [
+                t for i in solution[0] for t in cuts.tensors[i - 1]
+                if graph_lib.is_recomputable(t.op)
+            ]
+            peak = simulate.predict_checkpointed(
+                region, ys, xs, tensors, unknown_dim, fetched, size
+            ).peak_bytes
+            simulated[key] = (peak, solution[1], tensors)
+        return simulated[key]
+
+    floors: list = []
 
     def near_floor():
         floor, at_floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
+        floors.append(floor)
         return [p for p in (proposal(floor, at_floor), proposal(1.15 * floor)) if p]
 
     if memory_budget is None:
         proposals = near_floor()
         if not proposals:
             return []
-        lowest = min(p[0] for p in proposals)
-        peak, _, tensors = min(
-            (p for p in proposals if p[0] <= 1.05 * lowest), key=lambda p: (p[1], p[0])
-        )
         baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, size).peak_bytes
+        slack = MEMORY_SLACK * baseline
+        for step in (0.5, 1.0, 1.5):
+            found = proposal(floors[0] + step * slack)
+            if found:
+                proposals.append(found)
+        allowed = min(p[0] for p in proposals) + slack
+        peak, _, tensors = min(
+            (p for p in proposals if p[0] <= allowed), key=lambda p: (p[1], p[0])
+        )
         if peak >= baseline:
             return []
         return tensors
