@@ -199,19 +199,21 @@ def smallest_budget(problem: CutProblem, levels: int = 120) -> float:
     return float(best[n - 1].min())
 
 
-def refine_floor(problem: CutProblem, upper: float, steps: int = 3) -> tuple:
+def refine_floor(problem: CutProblem, upper: float, steps: int = 3, levels: int = 60) -> tuple:
     """Bisect below ``upper`` with the finer quantisation of :func:`least_recompute`.
 
     Returns ``(budget, solution)``: the least budget found feasible and
     :func:`least_recompute`'s solution at it (None if even ``upper`` is not).
+    ``levels`` may be coarser than elsewhere: rounding up only makes a
+    feasible answer safer.
     """
     lower = 0.5 * upper
-    solution = least_recompute(problem, upper)
+    solution = least_recompute(problem, upper, levels)
     if solution is None:
         return upper, None
     for _ in range(steps):
         middle = (lower + upper) / 2
-        found = least_recompute(problem, middle)
+        found = least_recompute(problem, middle, levels)
         if found is None:
             lower = middle
         else:

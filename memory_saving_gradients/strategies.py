@@ -150,30 +150,32 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
             simulated[key] = (peak, solution[1], tensors)
         return simulated[key]
 
-    floors: list = []
-
-    def near_floor():
+    def least_feasible():
+        """The plan at the least model budget the dynamic program finds feasible."""
         floor, at_floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
-        floors.append(floor)
-        return [p for p in (proposal(floor, at_floor), proposal(1.15 * floor)) if p]
+        for _ in range(3):  # the two programs quantise differently: step up if needed
+            if at_floor is not None:
+                break
+            floor *= 1.15
+            at_floor = budget_lib.least_recompute(problem, floor)
+        return floor, proposal(floor, at_floor)
 
     if memory_budget is None:
-        proposals = near_floor()
-        if not proposals:
-            return []
         baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, size).peak_bytes
         slack = MEMORY_SLACK * baseline
-        for step in (0.5, 1.0, 1.5):
-            found = proposal(floors[0] + step * slack)
-            if found:
-                proposals.append(found)
-        allowed = min(p[0] for p in proposals) + slack
-        peak, _, tensors = min(
-            (p for p in proposals if p[0] <= allowed), key=lambda p: (p[1], p[0])
-        )
-        if peak >= baseline:
+        floor, lowest = least_feasible()
+        if lowest is None:
             return []
-        return tensors
+        chosen = lowest
+        # Larger budgets recompute less: take the largest whose plan stays within the slack.
+        for extra in (1.5 * slack, slack, 0.5 * slack):
+            found = proposal(floor + extra)
+            if found and found[0] <= lowest[0] + slack and found[0] < baseline:
+                chosen = min((chosen, found), key=lambda p: (p[1], p[0]))
+                break
+        if chosen[0] >= baseline:
+            return []
+        return chosen[2]
     target = float(memory_budget)
     for _ in range(5):
         found = proposal(target)
@@ -182,7 +184,8 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
         if found[0] <= memory_budget:
             return found[2]
         target *= 0.97 * memory_budget / found[0]
-    proposals = near_floor()
+    floor, lowest = least_feasible()
+    proposals = [p for p in (lowest, proposal(floor + 0.15 * memory_budget)) if p]
     fitting = [p for p in proposals if p[0] <= memory_budget]
     if fitting:
         return min(fitting, key=lambda p: (p[1], p[0]))[2]
