@@ -40,7 +40,7 @@ class Cuts:
 
 
 def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
-              max_cuts: int = 400) -> Cuts:
+              max_cuts: int = 300) -> Cuts:
     """The cuts of the region, in one sweep over its ops (linear in ops + edges).
 
     Consecutive positions with the same live set give one cut; when there are

@@ -69,6 +69,24 @@ def peak_memory_by_device(run_metadata) -> dict:
     return peaks
 
 
+def executed_op_types(run_metadata) -> collections.Counter:
+    """How many ops of each type a traced step ran, from its step stats.
+
+    oneDNN's kernel prefixes are removed (``_MklNativeConv2D`` counts as
+    ``Conv2D``), so that the counts compare with :attr:`Plan.recomputed_ops`:
+    what a checkpointed step runs beyond plain ``tf.gradients`` is what it
+    recomputes, and an op type that grappler rewrites away does not appear.
+    """
+    counts = collections.Counter()
+    for device in run_metadata.step_stats.dev_stats:
+        for node in device.node_stats:
+            label = node.timeline_label
+            if " = " in label:  # 'name = Type(inputs)'
+                kind = label.split(" = ", 1)[1].split("(", 1)[0]
+                counts[kind.replace("_MklNative", "").replace("_Mkl", "")] += 1
+    return counts
+
+
 def traced_run(session, fetches, feed_dict=None, runs: int = 2):
     """Run ``fetches`` ``runs`` times with full tracing; return (values, RunMetadata of the last).
 

@@ -26,12 +26,7 @@ def _executed_types(fetches, feed) -> collections.Counter:
     with tf.compat.v1.Session() as session:
         session.run(tf.compat.v1.global_variables_initializer())
         _, metadata = profiling.traced_run(session, fetches, feed)
-    counts = collections.Counter()
-    for device in metadata.step_stats.dev_stats:
-        for node in device.node_stats:
-            if " = " in node.timeline_label:
-                counts[node.timeline_label.split(" = ", 1)[1].split("(", 1)[0]] += 1
-    return counts
+    return profiling.executed_op_types(metadata)
 
 
 def _gelu_mlp(layers=6):

@@ -9,7 +9,6 @@ issue's, the slack stated where a prediction is compared.
 
 from __future__ import annotations
 
-import collections
 import logging
 
 import numpy as np
@@ -244,18 +243,6 @@ def test_copies_nothing_reads_are_not_run(graph):
     assert graph_lib.copies_that_run([h.op, out.op, squared.op]) == {h.op, out.op}
 
 
-def _executed(metadata) -> collections.Counter:
-    """Op types the step ran (oneDNN's _MklNative prefixes removed)."""
-    counts = collections.Counter()
-    for device in metadata.step_stats.dev_stats:
-        for node in device.node_stats:
-            label = node.timeline_label
-            if " = " in label:
-                kind = label.split(" = ", 1)[1].split("(", 1)[0]
-                counts[kind.replace("_MklNative", "").replace("_Mkl", "")] += 1
-    return counts
-
-
 @pytest.mark.parametrize("checkpoints", ["memory", "collection", "speed"])
 def test_plan_counts_the_convolutions_a_step_recomputes(checkpoints):
     """plan().recomputed_ops matches what grappler leaves to run: extra Conv2D
@@ -273,7 +260,7 @@ def test_plan_counts_the_convolutions_a_step_recomputes(checkpoints):
             with tf.compat.v1.Session() as session:
                 session.run(tf.compat.v1.global_variables_initializer())
                 _, metadata = profiling.traced_run(session, grads, model.feed_dict)
-            ran[variant] = _executed(metadata)
+            ran[variant] = profiling.executed_op_types(metadata)
     predicted = dict(the_plan.recomputed_ops)
     assert ran[checkpoints]["Conv2D"] - ran["tf"]["Conv2D"] == predicted.get("Conv2D", 0)
     assert ("Conv2D" in predicted) == (checkpoints != "speed")
