@@ -5,9 +5,9 @@ what lies between two chosen cuts is a segment.  When the backward pass
 reaches a segment, memory holds the tensors of every chosen cut before it
 (``kept``), plus what recomputing and differentiating the segment allocates
 (``segment_bytes``: the outputs of its copies that run, and gradients of
-the size of its largest tensor).  A segment of a single op is
-differentiated in place and costs no recomputation; any longer one costs
-the modelled time (``simulate.op_cost``) of its copies that run.
+the size of its largest tensor).  A segment costs the modelled time
+(``simulate.op_cost``) of its copies that run: a one-op segment whose
+gradient reads none of its outputs is differentiated in place, for free.
 
 :func:`least_recompute` finds the chosen cuts with the least recomputation
 whose every segment fits ``budget`` (in the spirit of Chen et al. 2016 and
@@ -96,8 +96,9 @@ class CutProblem:
 
     def cost(self, a: np.ndarray, b: int) -> np.ndarray:
         pa, pb = self.positions[a], self.positions[b]
-        work = self.work_prefix[pb + 1] - self.work_prefix[pa + 1] - self._pruned(a, b, 1)
-        return np.where(pb - pa <= 1, 0.0, work)
+        # a one-op segment whose gradient reads none of its outputs is differentiated
+        # in place: its op is among the pruned ones, so it costs nothing here
+        return self.work_prefix[pb + 1] - self.work_prefix[pa + 1] - self._pruned(a, b, 1)
 
     def _pruned(self, a: np.ndarray, b: int, column: int) -> np.ndarray:
         """Work (column 1) or bytes (2) of the ops in segments (a, b] that never run."""

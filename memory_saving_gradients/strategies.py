@@ -100,7 +100,8 @@ def memory(
 
     Without a budget: the plan with the least recomputation whose predicted
     peak is within ``MEMORY_SLACK`` (a tenth) of plain ``tf.gradients``' peak
-    above the least peak the memory model can reach.  With ``memory_budget``
+    above the least peak the memory model can reach, when that saves at least
+    ``MIN_SAVING`` of a forward pass; else the least peak.  With ``memory_budget``
     (bytes): the least recomputation whose predicted peak fits it; ValueError
     if none does.
     """
@@ -110,6 +111,8 @@ def memory(
 #: Without a budget, 'memory' may give up this fraction of plain tf.gradients'
 #: predicted peak, above the least peak it finds, to recompute less.
 MEMORY_SLACK = 0.1
+#: ... but only for a saving of at least this fraction of a forward pass's work.
+MIN_SAVING = 0.05
 
 
 def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> list:
@@ -167,11 +170,14 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
         if lowest is None:
             return []
         chosen = lowest
-        # Larger budgets recompute less: take the largest whose plan stays within the slack.
+        # Larger budgets recompute less: take the largest whose plan stays within
+        # the slack, if it saves a worthwhile part of a forward pass.
+        worthwhile = MIN_SAVING * float(problem.work_prefix[-1])
         for extra in (1.5 * slack, slack, 0.5 * slack):
             found = proposal(floor + extra)
             if found and found[0] <= lowest[0] + slack and found[0] < baseline:
-                chosen = min((chosen, found), key=lambda p: (p[1], p[0]))
+                if found[1] <= lowest[1] - worthwhile:
+                    chosen = found
                 break
         if chosen[0] >= baseline:
             return []

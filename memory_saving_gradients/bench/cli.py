@@ -14,7 +14,7 @@ from typing import List, Optional
 from . import core
 
 DEFAULT_VARIANTS = tuple(v for v in core.VARIANTS if v != "tf.function")
-DEFAULT_FITS_VARIANTS = ("tf.gradients", "recompute_grad", "memory")
+DEFAULT_FITS_VARIANTS = ("tf.gradients", "recompute_grad", "memory", "memory+budget")
 
 
 def _csv(text: str) -> List[str]:
@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
                    "(default: the sweep's ResNet batch)")
     p.add_argument("--fits-depth", type=int, default=56, help="depth for the batch search")
     p.add_argument("--fits-variants", default=",".join(DEFAULT_FITS_VARIANTS),
-                   help="variants searched for the cap")
+                   help="variants searched for the cap (memory+budget: the cap as its budget)")
     p.add_argument("--train-steps", type=int, default=None,
                    help="SGD steps of the transformer for the loss-curve check (0: skip; "
                    "default 50, quick: 5)")

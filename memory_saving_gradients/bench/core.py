@@ -372,12 +372,14 @@ def prepare(
     device: str = "",
     seed: int = 0,
     predict: bool = True,
+    budget_bytes: Optional[int] = None,
 ) -> Prepared:
     """Build, trace (peak) and check one variant, leaving its session open for timing.
 
     Arguments as :func:`measure`; ``predict=False`` skips ``plan()``'s
-    prediction (a second run of the strategy's search).  Call ``.close()``
-    on the result.
+    prediction (a second run of the strategy's search); ``budget_bytes``
+    gives ``memory+budget`` its budget in bytes instead of ``budget_fraction``.
+    Call ``.close()`` on the result.
     """
     spec = as_spec(model)
     if variant not in VARIANTS:
@@ -402,7 +404,7 @@ def prepare(
             built = _build_function_variant(spec, variant, device, seed, check_grads)
         else:
             built = _build_graph_variant(spec, variant, device, seed, budget_fraction, check_grads,
-                                         result, predict)
+                                         result, predict, budget_bytes)
         session = tf.compat.v1.Session(graph=built.graph, config=run_config)
         _trace_and_check(built, session, result, run_config, base_config, device, check_grads)
         return Prepared(result, session, built.fetches, built.feed)
@@ -441,7 +443,7 @@ def _device_scope(device: str):
 
 
 def _build_graph_variant(spec, variant, device, seed, budget_fraction, check_grads, result,
-                         predict=True):
+                         predict=True, budget_bytes=None):
     import memory_saving_gradients as msg
 
     graph = tf.Graph()
@@ -454,7 +456,7 @@ def _build_graph_variant(spec, variant, device, seed, budget_fraction, check_gra
         strategy = LIBRARY_STRATEGY.get(variant)
         budget = None
         if variant == "memory+budget":
-            budget = int(budget_fraction * _baseline_prediction(msg, loss, xs))
+            budget = budget_bytes or int(budget_fraction * _baseline_prediction(msg, loss, xs))
             result.budget_bytes = budget
         if predict and strategy is not None:
             the_plan = msg.plan(loss, xs, checkpoints=strategy, memory_budget=budget)

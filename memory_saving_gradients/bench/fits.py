@@ -141,8 +141,10 @@ def fits_in(
 
         def peak_of(k, variant=variant, probes=probes, errors=errors):
             value = axis.value(k)
+            # 'memory+budget' is given the cap itself as its budget: how a user fits a model
             prepared = core.prepare(spec_for(value), variant, check_grads=False, device=device,
-                                    budget_fraction=budget_fraction, predict=False)
+                                    budget_fraction=budget_fraction, predict=False,
+                                    budget_bytes=int(cap_mb * MB))
             prepared.close()
             res = prepared.result
             mb = res.peak_bytes / MB if res.ok else None
