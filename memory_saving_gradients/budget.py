@@ -172,15 +172,23 @@ def least_recompute(problem: CutProblem, budget: float, levels: int = 120):
 
 
 def smallest_budget(problem: CutProblem, levels: int = 120) -> float:
-    """The least peak the model can reach: one minimax pass of the same program.
+    """The least peak the model can reach: a minimax form of the same program.
 
     Each state keeps the largest segment peak on its way instead of the
-    recomputation, with ``kept`` quantised in steps of the total output bytes
-    over ``levels`` (rounding up, so the result never under-counts).
+    recomputation, with ``kept`` quantised into ``levels`` steps (rounding up,
+    so the result never under-counts).  A first pass quantises the total
+    output bytes; a second, the peak the first found, which is far smaller on
+    a deep graph: the rounding then adds a fraction of a small checkpoint per
+    cut instead of a fraction of the whole forward pass.
     """
-    n = len(problem)
     total = float(problem.output_bytes[-1]) + problem.fixed_bytes + 1.0
-    quantum = total / levels
+    coarse = _minimax_peak(problem, total / levels, levels)
+    return min(coarse, _minimax_peak(problem, coarse / levels, levels))
+
+
+def _minimax_peak(problem: CutProblem, quantum: float, levels: int) -> float:
+    """Least largest segment peak with ``kept`` below ``levels * quantum`` (inf if none)."""
+    n = len(problem)
     width = levels + 1
     level_index = np.arange(width)
     best = np.full((n, width), np.inf)
@@ -200,18 +208,23 @@ def smallest_budget(problem: CutProblem, levels: int = 120) -> float:
     return float(best[n - 1].min())
 
 
-def refine_floor(problem: CutProblem, upper: float, steps: int = 3, levels: int = 60) -> tuple:
-    """Bisect below ``upper`` with the finer quantisation of :func:`least_recompute`.
+def refine_floor(problem: CutProblem, estimate: float, steps: int = 3, levels: int = 120,
+                 max_rise: float = 1.5) -> tuple:
+    """The least budget :func:`least_recompute` finds feasible, near ``estimate``.
 
-    Returns ``(budget, solution)``: the least budget found feasible and
-    :func:`least_recompute`'s solution at it (None if even ``upper`` is not).
-    ``levels`` may be coarser than elsewhere: rounding up only makes a
-    feasible answer safer.
+    The two programs quantise differently, so ``estimate`` (from
+    :func:`smallest_budget`) may be infeasible here: budgets then rise by 4%
+    at a time, up to ``max_rise`` times it.  Then ``steps`` bisections below
+    the first feasible budget.  Returns ``(budget, solution)``, the solution
+    None if nothing up to the rise was feasible.
     """
-    lower = 0.5 * upper
+    upper, lower = estimate, 0.5 * estimate
     solution = least_recompute(problem, upper, levels)
-    if solution is None:
-        return upper, None
+    while solution is None:
+        if upper >= max_rise * estimate:
+            return upper, None
+        lower, upper = upper, upper * 1.04
+        solution = least_recompute(problem, upper, levels)
     for _ in range(steps):
         middle = (lower + upper) / 2
         found = least_recompute(problem, middle, levels)

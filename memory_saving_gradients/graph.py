@@ -15,6 +15,7 @@ deterministic and needs no graph walk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterable, Sequence
 
 from ._tensorflow import tf
@@ -206,6 +207,36 @@ class ForwardRegion:
     def produces(self, tensor: tf.Tensor) -> bool:
         return tensor.op in self.ops
 
+    def is_recomputable(self, op: tf.Operation) -> bool:
+        """:func:`is_recomputable` for an op of the region, remembered."""
+        return op not in self._not_recomputable
+
+    @functools.cached_property
+    def _not_recomputable(self) -> frozenset:
+        return frozenset(op for op in self.order if not is_recomputable(op))
+
+    @functools.cached_property
+    def fixed_boundary_ops(self) -> frozenset:
+        """Ops differentiated in place whatever the checkpoints: the ones that are not
+        recomputable, and the producers of their inputs."""
+        ops = set(self._not_recomputable)
+        for op in self._not_recomputable:
+            ops.update(t.op for t in op.inputs if t.op in self.ops)
+        return frozenset(ops)
+
+    def consumed_outputs(self, op: tf.Operation) -> tuple:
+        """Outputs of ``op`` consumed by ops of the region, remembered."""
+        found = self._consumed.get(op)
+        if found is None:
+            found = self._consumed[op] = tuple(
+                t for t in op.outputs if any(c in self.ops for c in t.consumers())
+            )
+        return found
+
+    @functools.cached_property
+    def _consumed(self) -> dict:
+        return {}
+
 
 def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardRegion:
     """Ops reachable from ``xs`` through data edges that also reach some of ``ys``."""
@@ -229,11 +260,6 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardR
     return ForwardRegion(frozenset(region), tuple(sorted(region, key=op_order)))
 
 
-def consumed_outputs(op: tf.Operation, region: ForwardRegion) -> list:
-    """Outputs of ``op`` consumed by ops of the region."""
-    return [t for t in op.outputs if any(c in region for c in t.consumers())]
-
-
 def boundary_tensors(
     region: ForwardRegion,
     ys: Sequence[tf.Tensor],
@@ -252,12 +278,9 @@ def boundary_tensors(
     for t in list(xs) + list(ys):
         kept.setdefault(t.ref(), t)
     boundary_ops = {t.op for t in list(checkpoints) + list(xs) + list(ys) if t.op in region}
-    for op in region.order:
-        if not is_recomputable(op):
-            boundary_ops.add(op)
-            boundary_ops.update(t.op for t in op.inputs if t.op in region)
+    boundary_ops |= region.fixed_boundary_ops
     for op in sorted(boundary_ops, key=op_order):
-        for t in consumed_outputs(op, region):
+        for t in region.consumed_outputs(op):
             kept.setdefault(t.ref(), t)
     return kept
 
@@ -302,7 +325,7 @@ def segment_for(
         targets=tuple(targets),
         ops=ops,
         inputs=tuple(sorted(inputs.values(), key=tensor_order)),
-        recompute=is_recomputable(root)
+        recompute=region.is_recomputable(root)
         and (len(ops) > 1 or bool(gradient_reads(root)[1])),
     )
 

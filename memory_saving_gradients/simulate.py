@@ -23,6 +23,8 @@ import collections
 import dataclasses
 from typing import Sequence
 
+import numpy as np
+
 from ._tensorflow import tf
 from . import graph as graph_lib
 
@@ -63,6 +65,8 @@ class Sizer:
         self.assumed: set = set()
         self._bytes: dict = {}
         self._costs: dict = {}
+        self._forward: dict = {}  # id(region) -> (region, forward-pass timeline, steps)
+        self._backward: dict = {}  # (id(region), xs refs) -> {op: what its gradient does}
 
     def __call__(self, tensor: tf.Tensor) -> int:
         key = tensor.ref()
@@ -157,18 +161,22 @@ class _Timeline:
         if root is not None and self.buffers[root][1] < step:
             self.buffers[root][1] = step
 
+    def copy(self) -> "_Timeline":
+        other = _Timeline()
+        other.buffers = {key: list(buffer) for key, buffer in self.buffers.items()}
+        other.alias = dict(self.alias)
+        return other
+
     def peak(self, end_step: float) -> int:
-        events = []
-        for start, end, size in self.buffers.values():
-            if size:
-                events.append((start, size))
-                events.append(((end_step if end == _END else end) + 0.5, -size))
-        events.sort()
-        running = peak = 0
-        for _, delta in events:
-            running += delta
-            peak = max(peak, running)
-        return peak
+        """Most bytes live at once; a buffer ends half a step after its last use."""
+        rows = np.array([b for b in self.buffers.values() if b[2]], dtype=float).reshape(-1, 3)
+        if not len(rows):
+            return 0
+        ends = np.where(rows[:, 1] == _END, end_step, rows[:, 1]) + 0.5
+        times = np.concatenate([rows[:, 0], ends])
+        deltas = np.concatenate([rows[:, 2], -rows[:, 2]])
+        order = np.lexsort((deltas, times))  # by time, frees before allocations
+        return int(max(0.0, np.cumsum(deltas[order]).max()))
 
 
 def _gradient_size(tensor: tf.Tensor, consumer: tf.Operation, size) -> int:
@@ -181,6 +189,21 @@ def _gradient_size(tensor: tf.Tensor, consumer: tf.Operation, size) -> int:
 
 def _carries_gradient(tensor: tf.Tensor) -> bool:
     return graph_lib.is_differentiable(tensor) or tensor.dtype == tf.resource
+
+
+def _forward_timeline(region, size) -> tuple:
+    """A fresh timeline holding the forward pass, and the steps it took.
+
+    The forward pass is the same for every prediction over a region: a
+    ``Sizer`` keeps it, and each prediction starts from a copy.
+    """
+    cached = size._forward.get(id(region)) if isinstance(size, Sizer) else None
+    if cached is None or cached[0] is not region:
+        timeline = _Timeline()
+        cached = (region, timeline, _forward(timeline, region, size))
+        if isinstance(size, Sizer):
+            size._forward[id(region)] = cached
+    return cached[1].copy(), cached[2]
 
 
 def _forward(timeline: _Timeline, region, size) -> int:
@@ -227,17 +250,43 @@ class _Gradients:
                 buffer[1] = _END if keep else buffer[0]
 
 
-def _backward_op(op, step, timeline, grads, region, xs_refs, size, rename=lambda k: k):
-    """One op's gradient: reads what it needs, consumes its outputs' gradients, emits its inputs'."""
-    reads_in, reads_out = graph_lib.gradient_reads(
-        op, lambda t: t.op in region or t.ref() in xs_refs
-    )
-    for t in list(reads_in) + list(reads_out):
-        timeline.use(rename(t.ref()), step)
+def _backward_op(op, step, timeline, grads, region, xs_refs, size, rename=lambda k: k,
+                 memo=None):
+    """One op's gradient: reads what it needs, consumes its outputs' gradients, emits its inputs'.
+
+    ``memo`` (a dict per region and xs) remembers, per op, what its gradient
+    reads and which inputs get a gradient of what size.
+    """
+    found = memo.get(op) if memo is not None else None
+    if found is None:
+        def wanted(t):
+            return t.op in region or t.ref() in xs_refs
+
+        reads_in, reads_out = graph_lib.gradient_reads(op, wanted)
+        found = (
+            [t.ref() for t in list(reads_in) + list(reads_out)],
+            [(t, _gradient_size(t, op, size)) for t in op.inputs
+             if _carries_gradient(t) and wanted(t)],
+        )
+        if memo is not None:
+            memo[op] = found
+    reads, emitted = found
+    for ref in reads:
+        timeline.use(rename(ref), step)
     grads.consume(op.outputs, step)
-    for t in op.inputs:
-        if _carries_gradient(t) and (t.op in region or t.ref() in xs_refs):
-            grads.add(t, _gradient_size(t, op, size), step)
+    for t, nbytes in emitted:
+        grads.add(t, nbytes, step)
+
+
+def _backward_memo(size, region, xs_refs) -> dict | None:
+    """The per-op memo of :func:`_backward_op` for this region and xs, kept by a ``Sizer``."""
+    if not isinstance(size, Sizer):
+        return None
+    key = (id(region), frozenset(xs_refs))
+    cached = size._backward.get(key)
+    if cached is None or cached[0] is not region:
+        cached = size._backward[key] = (region, {})
+    return cached[1]
 
 
 def predict_baseline(
@@ -254,15 +303,15 @@ def predict_baseline(
     otherwise each is used as soon as it is made (e.g. by an optimizer's update).
     """
     size = sizer or Sizer(unknown_dim)
-    timeline = _Timeline()
+    timeline, step = _forward_timeline(region, size)
     grads = _Gradients(timeline)
-    step = _forward(timeline, region, size)
     xs_refs = {x.ref() for x in xs}
+    memo = _backward_memo(size, region, xs_refs)
     for y in ys:
         grads.add(y, size(y), step)
     for op in reversed(region.order):
         step += 1
-        _backward_op(op, step, timeline, grads, region, xs_refs, size)
+        _backward_op(op, step, timeline, grads, region, xs_refs, size, memo=memo)
     grads.finish(fetched)
     forward_work = sum(size.cost(op) for op in region.order)
     return Prediction(timeline.peak(step + 1), 0.0, forward_work, size.assumptions())
@@ -280,10 +329,10 @@ def predict_checkpointed(
     """Predicted peak of :func:`checkpointing.gradients` with these checkpoints (see
     :func:`predict_baseline` for ``fetched``; ``sizer`` shares sizes between predictions)."""
     size = sizer or Sizer(unknown_dim)
-    timeline = _Timeline()
+    timeline, step = _forward_timeline(region, size)
     grads = _Gradients(timeline)
-    step = _forward(timeline, region, size)
     xs_refs = {x.ref() for x in xs}
+    memo = _backward_memo(size, region, xs_refs)
     kept = graph_lib.boundary_tensors(region, ys, xs, checkpoints)
     for y in ys:
         grads.add(y, size(y), step)
@@ -323,7 +372,7 @@ def predict_checkpointed(
                         timeline.alloc(key, size(t), step)
         for seg_op in reversed(segment.ops):
             step += 1
-            _backward_op(seg_op, step, timeline, grads, region, xs_refs, size, rename)
+            _backward_op(seg_op, step, timeline, grads, region, xs_refs, size, rename, memo)
     grads.finish(fetched)
     forward_work = sum(size.cost(op) for op in region.order)
     return Prediction(

@@ -98,21 +98,33 @@ def memory(
 ) -> list:
     """Bottleneck cuts spaced by bytes, chosen by :mod:`.budget`.
 
-    Without a budget: the plan with the least recomputation whose predicted
-    peak is within ``MEMORY_SLACK`` (a tenth) of plain ``tf.gradients``' peak
-    above the least peak the memory model can reach, when that saves at least
-    ``MIN_SAVING`` of a forward pass; else the least peak.  With ``memory_budget``
+    Without a budget: a trade between the least peak the memory model can
+    reach and recomputation.  Each plan proposed is scored by its
+    recomputation (in forward passes) plus ``MEMORY_WEIGHT`` times its peak
+    (in least peaks), and the lowest score is taken, among plans whose peak
+    exceeds the least one by at most ``MEMORY_SLACK`` of it and
+    ``BASELINE_SLACK`` of plain ``tf.gradients``' peak.  So 10% more memory
+    must buy 3% of a forward pass.  Both are relative to the least peak: the
+    chosen peak grows with the model as the least one does (about sqrt(depth)
+    on a chain or a residual net), not as plain ``tf.gradients``' does.  With ``memory_budget``
     (bytes): the least recomputation whose predicted peak fits it; ValueError
     if none does.
     """
     return memory_checkpoints(ys, xs, region, memory_budget)
 
 
-#: Without a budget, 'memory' may give up this fraction of plain tf.gradients'
-#: predicted peak, above the least peak it finds, to recompute less.
-MEMORY_SLACK = 0.1
-#: ... but only for a saving of at least this fraction of a forward pass's work.
-MIN_SAVING = 0.05
+#: Without a budget, 'memory' weighs one least peak of memory as this many
+#: forward passes of recomputation ...
+MEMORY_WEIGHT = 0.3
+#: ... and lets its peak exceed the least one by at most this fraction of it ...
+MEMORY_SLACK = 0.75
+#: ... and by at most this fraction of plain tf.gradients' predicted peak (for
+#: graphs where the least peak is itself a large part of it).
+BASELINE_SLACK = 0.1
+#: Model budgets tried between the floor and the top of the slack.
+SLACK_PROBES = 6
+#: Model budgets just above the floor (as multiples of it) also tried for the least peak.
+FLOOR_PROBES = (1.05, 1.1)
 
 
 def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> list:
@@ -136,6 +148,7 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
     problem = budget_lib.CutProblem(cuts, fixed)
 
     simulated: dict = {}
+    recomputable = [tuple(t for t in ts if region.is_recomputable(t.op)) for ts in cuts.tensors]
 
     def proposal(model_budget, solution=None):
         solution = solution or budget_lib.least_recompute(problem, model_budget)
@@ -143,10 +156,7 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
             return None
         key = tuple(solution[0])
         if key not in simulated:
-            tensors = [
-                t for i in solution[0] for t in cuts.tensors[i - 1]
-                if graph_lib.is_recomputable(t.op)
-            ]
+            tensors = [t for i in solution[0] for t in recomputable[i - 1]]
             peak = simulate.predict_checkpointed(
                 region, ys, xs, tensors, unknown_dim, fetched, size
             ).peak_bytes
@@ -154,34 +164,25 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
         return simulated[key]
 
     def least_feasible():
-        """The plan at the least model budget the dynamic program finds feasible."""
+        """The plan of least simulated peak near the least budget the program finds feasible.
+
+        Near the floor, the simulated peak need not rise with the model's
+        budget, so a few budgets just above it are tried too.
+        """
         floor, at_floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
-        for _ in range(3):  # the two programs quantise differently: step up if needed
-            if at_floor is not None:
-                break
-            floor *= 1.15
-            at_floor = budget_lib.least_recompute(problem, floor)
-        return floor, proposal(floor, at_floor)
+        if at_floor is None:
+            return floor, None
+        found = [proposal(floor, at_floor)] + [proposal(floor * f) for f in FLOOR_PROBES]
+        return floor, min((p for p in found if p), key=lambda p: (p[0], p[1]))
 
     if memory_budget is None:
         baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, size).peak_bytes
-        slack = MEMORY_SLACK * baseline
         floor, lowest = least_feasible()
-        if lowest is None:
+        if lowest is None or lowest[0] >= baseline:
             return []
-        chosen = lowest
-        # Larger budgets recompute less: take the largest whose plan stays within
-        # the slack, if it saves a worthwhile part of a forward pass.
-        worthwhile = MIN_SAVING * float(problem.work_prefix[-1])
-        for extra in (1.5 * slack, slack, 0.5 * slack):
-            found = proposal(floor + extra)
-            if found and found[0] <= lowest[0] + slack and found[0] < baseline:
-                if found[1] <= lowest[1] - worthwhile:
-                    chosen = found
-                break
-        if chosen[0] >= baseline:
-            return []
-        return chosen[2]
+        limit = lowest[0] + min(MEMORY_SLACK * lowest[0], BASELINE_SLACK * baseline)
+        chosen = _best_trade(proposal, floor, lowest, limit, float(problem.work_prefix[-1]))
+        return chosen[2] if chosen[0] < baseline else lowest[2]
     target = float(memory_budget)
     for _ in range(5):
         found = proposal(target)
@@ -201,3 +202,25 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
         f"the memory model finds for this graph is {lowest / 2**20:.1f} MB "
         f"({lowest} bytes). Raise the budget, or reduce the batch size."
     )
+
+
+def _best_trade(proposal, floor, lowest, limit, forward_work):
+    """Of the proposals within ``limit``, the least ``recompute/forward + MEMORY_WEIGHT * peak/lowest``.
+
+    Larger model budgets recompute less and peak higher; the model's budget
+    and the simulated peak differ by a factor, measured at the floor, so
+    ``SLACK_PROBES`` budgets are tried, spaced evenly in ratio between the
+    floor and ``limit`` scaled by that factor.
+    """
+    scale = floor / max(lowest[0], 1)
+    top = max(floor, limit * scale) * 1.25
+
+    def score(p):
+        return p[1] / max(forward_work, 1.0) + MEMORY_WEIGHT * p[0] / max(lowest[0], 1)
+
+    chosen = lowest
+    for k in range(1, SLACK_PROBES + 1):
+        found = proposal(floor * (top / floor) ** (k / SLACK_PROBES))
+        if found is not None and found[0] <= limit and score(found) < score(chosen):
+            chosen = found
+    return chosen
