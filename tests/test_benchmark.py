@@ -168,3 +168,33 @@ def test_all_library_variants_are_known_to_the_installed_package():
         assert strategy in msg.available_strategies(), variant
     assert not math.isnan(core.DEFAULT_BUDGET_FRACTION)
     assert os.path.basename(benchmark.__file__) == "benchmark.py"
+
+
+def _gpu_resnet(*args):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "gpu_resnet.py"), *args],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+
+
+def test_gpu_check_skips_without_a_gpu_and_runs_its_comparison_with_cpu():
+    """The GPU script (run by run_all_tests.sh where a GPU is visible) on this machine:
+    without a GPU it skips and says why; with --cpu it measures the same comparison."""
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("a GPU is visible: run_all_tests.sh runs the real comparison")
+    skipped = _gpu_resnet()
+    assert skipped.returncode == 0 and "SKIPPED" in skipped.stdout and "no GPU" in skipped.stdout
+    ran = _gpu_resnet("--cpu", "--depth", "20", "--batch", "8", "--steps", "2",
+                      "--max-ratio", "0.9")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "grads equal: yes" in ran.stdout and "gpu_resnet: OK" in ran.stdout
+    ratio = float(ran.stdout.split("peak ")[-1].split("x")[0])
+    assert 0 < ratio <= 0.9
+    failed = _gpu_resnet("--cpu", "--depth", "20", "--batch", "8", "--steps", "1",
+                         "--max-ratio", "0.05")
+    assert failed.returncode == 1, failed.stdout

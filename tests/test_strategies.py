@@ -265,3 +265,48 @@ def test_plan_counts_the_convolutions_a_step_recomputes(checkpoints):
     assert ran[checkpoints]["Conv2D"] - ran["tf"]["Conv2D"] == predicted.get("Conv2D", 0)
     assert ("Conv2D" in predicted) == (checkpoints != "speed")
     assert "recomputes" in str(the_plan)
+
+
+def _training_peak(model, checkpoints):
+    """Predicted peak as 'memory' judges it: each gradient used as soon as it is made."""
+    from memory_saving_gradients import checkpointing, simulate
+
+    problem = checkpointing._prepare(model.loss, model.params)
+    if not checkpoints:
+        return simulate.predict_baseline(problem.region, problem.ys, problem.xs,
+                                         fetched=False).peak_bytes
+    return simulate.predict_checkpointed(problem.region, problem.ys, problem.xs, checkpoints,
+                                         fetched=False).peak_bytes
+
+
+def test_memory_trades_peak_for_recomputation_within_its_slack(monkeypatch):
+    """The default plan recomputes no more than the least-peak plan, and peaks at most
+    MEMORY_SLACK above it; weighing memory above everything gives the least peak."""
+    with tf.Graph().as_default():
+        model = test_models.build("resnet", depth=56, batch=8)
+        default = msg.plan(model.loss, model.params, checkpoints="memory")
+        monkeypatch.setattr(strategies, "MEMORY_WEIGHT", 1e6)
+        least = msg.plan(model.loss, model.params, checkpoints="memory")
+        default_peak = _training_peak(model, default.checkpoints)
+        least_peak = _training_peak(model, least.checkpoints)
+        baseline = _training_peak(model, [])
+    assert least_peak <= default_peak
+    assert default.recompute_cost <= least.recompute_cost
+    assert default_peak <= least_peak + min(strategies.MEMORY_SLACK * least_peak,
+                                            strategies.BASELINE_SLACK * baseline)
+
+
+def test_memory_peak_grows_as_sqrt_depth_not_as_depth():
+    """Predicted training peaks of 'memory' over ResNet depths 20-218 (batch 8): the
+    fitted exponent stays near the least peak's sqrt(depth), far from tf.gradients' 1."""
+    depths, ours, theirs = [20, 56, 110, 164, 218], [], []
+    for depth in depths:
+        with tf.Graph().as_default():
+            model = test_models.build("resnet", depth=depth, batch=8)
+            the_plan = msg.plan(model.loss, model.params, checkpoints="memory")
+            ours.append(_training_peak(model, the_plan.checkpoints))
+            theirs.append(_training_peak(model, []))
+    ours_exponent = np.polyfit(np.log(depths), np.log(ours), 1)[0]
+    theirs_exponent = np.polyfit(np.log(depths), np.log(theirs), 1)[0]
+    assert theirs_exponent >= 0.9, theirs_exponent
+    assert ours_exponent <= 0.6, (ours_exponent, [p / MB for p in ours])
