@@ -35,13 +35,19 @@ class CutProblem:
     Candidate 0 is the start of the pass (nothing kept), candidate ``n + 1``
     its end; 1..n are the cuts.  Everything is a numpy array, so that one
     step of the program handles all predecessors of a cut at once.
+    ``held_only``: a segment's bytes count only the outputs some gradient
+    reads, not those freed during the recomputation itself.  The full count
+    over-states a segment (most on graphs with many transient tensors, like
+    attention), the held count under-states it; neither is exact, and each
+    proposes different plans.
     """
 
-    def __init__(self, cuts, fixed_bytes: int = 0):
+    def __init__(self, cuts, fixed_bytes: int = 0, held_only: bool = False):
         last = len(cuts.output_bytes) - 1
         self.positions = np.array([-1] + list(cuts.positions) + [last], dtype=np.int64)
         # prefix sums shifted by one, so that index p + 1 covers positions <= p
-        self.output_bytes = np.concatenate([[0.0], np.asarray(cuts.output_bytes, float)])
+        outputs = cuts.held_bytes if held_only else cuts.output_bytes
+        self.output_bytes = np.concatenate([[0.0], np.asarray(outputs, float)])
         self.work_prefix = np.concatenate([[0.0], np.asarray(cuts.work, float)])
         self.fixed_bytes = float(fixed_bytes)
         self.starts = [np.zeros(0)] + [
@@ -59,7 +65,7 @@ class CutProblem:
         for entries in cuts.pruned:
             where = np.array([e[0] for e in entries], dtype=np.int64)
             work = np.array([e[1] for e in entries], dtype=float)
-            size = np.array([e[2] for e in entries], dtype=float)
+            size = np.array([e[3 if held_only else 2] for e in entries], dtype=float)
             self.pruned.append((where, _suffix_sums(work), _suffix_sums(size)))
         self.pruned.append(none)
         self._rows: dict = {}
@@ -126,9 +132,11 @@ def least_recompute(problem: CutProblem, budget: float, levels: int = 120):
     width = levels + 1
     best = np.full((n, width), np.inf)
     best[0, 0] = 0.0
+    flat_best = best.reshape(-1)  # a view: rows written below are seen through it
     from_cut = np.full((n, width), -1, dtype=np.int64)
     from_level = np.full((n, width), -1, dtype=np.int64)
     level_index = np.arange(width)
+    level_row = level_index[None, :]
     for b in range(1, n):
         lo = problem.first_within(b, budget)
         lo = max(lo, 0)
@@ -147,15 +155,14 @@ def least_recompute(problem: CutProblem, budget: float, levels: int = 120):
             shift = np.ceil(all_kept[preds] / quantum).astype(np.int64)
         cost = all_cost[preds]
         # candidate[a, k]: reach level k at b from level k - shift[a] at a
-        source = level_index[None, :] - shift[:, None]
+        source = level_row - shift[:, None]
         valid = (source >= 0) & (source <= room[:, None])
-        values = np.where(
-            valid, best[preds[:, None], np.clip(source, 0, levels)] + cost[:, None], np.inf
-        )
-        choice = np.argmin(values, axis=0)
+        source = np.minimum(np.maximum(source, 0), levels)
+        values = np.where(valid, flat_best[preds[:, None] * width + source] + cost[:, None], np.inf)
+        choice = values.argmin(axis=0)
         best[b] = values[choice, level_index]
         from_cut[b] = preds[choice]
-        from_level[b] = np.clip(source[choice, level_index], 0, levels)
+        from_level[b] = source[choice, level_index]
     if not np.isfinite(best[n - 1]).any():
         return None
     level = int(np.argmin(best[n - 1]))
@@ -193,17 +200,18 @@ def _minimax_peak(problem: CutProblem, quantum: float, levels: int) -> float:
     level_index = np.arange(width)
     best = np.full((n, width), np.inf)
     best[0, 0] = 0.0
+    level_row = level_index[None, :]
     for b in range(1, n):
-        preds = np.arange(0, b)
         work, kept, _ = problem.row(b)
         if b == n - 1:
-            shift = np.zeros(preds.shape, dtype=np.int64)
+            shift = np.zeros(b, dtype=np.int64)
         else:
             shift = np.ceil(kept / quantum).astype(np.int64)
-        source = level_index[None, :] - shift[:, None]
+        source = level_row - shift[:, None]  # never above levels: shift >= 0
         valid = source >= 0
-        safe = np.clip(source, 0, levels)
-        peak = np.maximum(best[preds[:, None], safe], safe * quantum + work[:, None])
+        safe = np.maximum(source, 0)
+        peak = np.maximum(np.take_along_axis(best[:b], safe, axis=1),
+                          safe * quantum + work[:, None])
         best[b] = np.where(valid, peak, np.inf).min(axis=0)
     return float(best[n - 1].min())
 

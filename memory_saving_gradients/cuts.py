@@ -22,12 +22,15 @@ class Cuts:
     ones still waiting for a later consumer: keeping them separates everything
     before from everything after.  ``output_bytes[p]`` and ``work[p]`` are
     prefix sums over the ops at positions <= p (what a segment allocates and
-    computes), ``largest[p]`` the size of the op's largest output.  A copy
+    computes), ``largest[p]`` the size of the op's largest output;
+    ``held_bytes[p]`` counts only the outputs some gradient reads (they stay
+    alive from the recomputation to the backward step; the others are freed
+    as soon as their consumers have run).  A copy
     runs only if a gradient in its segment reads it or a copy that runs reads
     it (:func:`graph.copies_that_run`); ops no gradient ever reads are left
     out of the prefix sums, and ``pruned[i]`` lists ``(position, work,
-    bytes)`` of the ops that a segment ending at cut ``i`` would not run,
-    sorted by position.
+    bytes, held bytes)`` of the ops that a segment ending at cut ``i`` would
+    not run, sorted by position.
     """
 
     positions: tuple
@@ -37,6 +40,7 @@ class Cuts:
     work: tuple
     largest: tuple
     pruned: tuple
+    held_bytes: tuple
 
 
 def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
@@ -64,25 +68,32 @@ def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
                 end_of[source] = max(end_of.get(source, 0), end)
     first_read = _first_reads(order, position)
     output_prefix, work_prefix, largest, op_work, op_bytes = [], [], [], [], []
-    total_bytes = total_work = 0
+    held_prefix, op_held = [], []
+    total_bytes = total_work = total_held = 0
     starts: dict = {}
     for i, op in enumerate(order):
-        own = 0
+        own = held = 0
         big = 0
+        read = _outputs_gradients_read(op, position)
         for t in op.outputs:
             nbytes = 0 if op.type in alias_types else size(t)
             own_bytes[t.ref()] = nbytes
             own += nbytes
+            if t.ref() in read:
+                held += nbytes
             big = max(big, nbytes)
             if end_of[t.ref()] > i:
                 starts.setdefault(i, []).append(t)
         work = cost(op)
         op_work.append(work)
         op_bytes.append(own)
+        op_held.append(held)
         if first_read[i] < math.inf:  # else no copy of it ever runs
             total_bytes += own
+            total_held += held
             total_work += work
         output_prefix.append(total_bytes)
+        held_prefix.append(total_held)
         work_prefix.append(total_work)
         largest.append(big)
     # Sweep: live set after each position; a cut where the set changes next.
@@ -116,9 +127,24 @@ def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
     new_bytes = tuple(
         tuple(sorted((position[t.op], own_bytes[t.ref()]) for t in ts)) for ts in tensors
     )
-    pruned = _pruned_at(positions, first_read, op_work, op_bytes)
+    pruned = _pruned_at(positions, first_read, op_work, op_bytes, op_held)
     return Cuts(positions, tensors, new_bytes, tuple(output_prefix), tuple(work_prefix),
-                tuple(largest), pruned)
+                tuple(largest), pruned, tuple(held_prefix))
+
+
+def _outputs_gradients_read(op, position) -> set:
+    """Refs of the outputs of ``op`` that its own gradient or a consumer's reads
+    (or whose shape is only known at run time, which a gradient then reads)."""
+    read = {t.ref() for t in gradient_reads(op)[1]}
+    for t in op.outputs:
+        if t.ref() in read:
+            continue
+        if not t.shape.is_fully_defined() or any(
+            c in position and t.ref() in {r.ref() for r in gradient_reads(c)[0]}
+            for c in t.consumers()
+        ):
+            read.add(t.ref())
+    return read
 
 
 def _first_reads(order, position) -> list:
@@ -140,7 +166,7 @@ def _first_reads(order, position) -> list:
     return first
 
 
-def _pruned_at(positions, first_read, op_work, op_bytes) -> tuple:
+def _pruned_at(positions, first_read, op_work, op_bytes, op_held) -> tuple:
     """Per cut: the ops at or before it whose first read comes after it."""
     pruned = []
     waiting: list = []
@@ -152,5 +178,7 @@ def _pruned_at(positions, first_read, op_work, op_bytes) -> tuple:
             next_op += 1
         while waiting and waiting[0][0] <= p:
             heapq.heappop(waiting)
-        pruned.append(tuple(sorted((i, op_work[i], op_bytes[i]) for _, i in waiting)))
+        pruned.append(tuple(sorted(
+            (i, op_work[i], op_bytes[i], op_held[i]) for _, i in waiting
+        )))
     return tuple(pruned)

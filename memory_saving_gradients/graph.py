@@ -237,6 +237,17 @@ class ForwardRegion:
     def _consumed(self) -> dict:
         return {}
 
+    def inputs_with_refs(self, op: tf.Operation) -> tuple:
+        """``(tensor, tensor.ref())`` for each input of ``op``, remembered."""
+        found = self._inputs.get(op)
+        if found is None:
+            found = self._inputs[op] = tuple((t, t.ref()) for t in op.inputs)
+        return found
+
+    @functools.cached_property
+    def _inputs(self) -> dict:
+        return {}
+
 
 def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardRegion:
     """Ops reachable from ``xs`` through data edges that also reach some of ``ys``."""
@@ -314,9 +325,9 @@ def segment_for(
     inputs: dict = {}
     while stack:
         op = stack.pop()
-        for t in op.inputs:
-            if t.ref() in kept:
-                inputs.setdefault(t.ref(), t)
+        for t, ref in region.inputs_with_refs(op):
+            if ref in kept:
+                inputs.setdefault(ref, t)
             elif t.op in region and t.op not in seen:
                 seen.add(t.op)
                 stack.append(t.op)

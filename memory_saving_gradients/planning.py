@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from . import _gc
 from . import graph as graph_lib
 from . import simulate
 
@@ -57,6 +58,7 @@ class Plan:
         return "\n".join(lines)
 
 
+@_gc.without_cyclic_gc
 def make_plan(ys, xs, region, checkpoints: Sequence, strategy: str) -> Plan:
     """Predict both peaks for a chosen set of checkpoints (pure: nothing is built)."""
     predicted = simulate.predict_checkpointed(region, ys, xs, checkpoints)

@@ -69,14 +69,16 @@ class Sizer:
         self._backward: dict = {}  # (id(region), xs refs) -> {op: what its gradient does}
 
     def __call__(self, tensor: tf.Tensor) -> int:
-        key = tensor.ref()
-        found = self._bytes.get(key)
-        if found is None:
+        # keyed by identity (a graph op keeps its output tensors), tensor kept alive
+        found = self._bytes.get(id(tensor))
+        if found is None or found[0] is not tensor:
             shape = tensor.shape
             if shape.rank is None or not shape.is_fully_defined():
                 self.assumed.add(tensor.name)
-            found = self._bytes[key] = graph_lib.tensor_bytes(tensor, self.unknown_dim)
-        return found
+            found = self._bytes[id(tensor)] = (
+                tensor, graph_lib.tensor_bytes(tensor, self.unknown_dim)
+            )
+        return found[1]
 
     def cost(self, op: tf.Operation) -> float:
         """:func:`op_cost`, with this Sizer's sizes."""
@@ -228,18 +230,19 @@ class _Gradients:
         self.pending: dict = {}
         self.count = 0
 
-    def add(self, tensor: tf.Tensor, size: int, step: float) -> None:
+    def add(self, ref, size: int, step: float) -> None:
+        """A gradient for the tensor with this ``ref()``."""
         key = ("grad", self.count)
         self.count += 1
         self.timeline.alloc(key, size, step)
-        self.pending.setdefault(tensor.ref(), []).append(key)
+        self.pending.setdefault(ref, []).append(key)
 
     def has(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self.pending
 
-    def consume(self, tensors, step: float) -> None:
-        for t in tensors:
-            for key in self.pending.pop(t.ref(), []):
+    def consume(self, refs, step: float) -> None:
+        for ref in refs:
+            for key in self.pending.pop(ref, ()):
                 self.timeline.buffers[key][1] = step
 
     def finish(self, keep: bool = True) -> None:
@@ -265,17 +268,18 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, rename=lambda
         reads_in, reads_out = graph_lib.gradient_reads(op, wanted)
         found = (
             [t.ref() for t in list(reads_in) + list(reads_out)],
-            [(t, _gradient_size(t, op, size)) for t in op.inputs
+            [t.ref() for t in op.outputs],
+            [(t.ref(), _gradient_size(t, op, size)) for t in op.inputs
              if _carries_gradient(t) and wanted(t)],
         )
         if memo is not None:
             memo[op] = found
-    reads, emitted = found
+    reads, outputs, emitted = found
     for ref in reads:
         timeline.use(rename(ref), step)
-    grads.consume(op.outputs, step)
-    for t, nbytes in emitted:
-        grads.add(t, nbytes, step)
+    grads.consume(outputs, step)
+    for ref, nbytes in emitted:
+        grads.add(ref, nbytes, step)
 
 
 def _backward_memo(size, region, xs_refs) -> dict | None:
@@ -308,7 +312,7 @@ def predict_baseline(
     xs_refs = {x.ref() for x in xs}
     memo = _backward_memo(size, region, xs_refs)
     for y in ys:
-        grads.add(y, size(y), step)
+        grads.add(y.ref(), size(y), step)
     for op in reversed(region.order):
         step += 1
         _backward_op(op, step, timeline, grads, region, xs_refs, size, memo=memo)
@@ -335,7 +339,7 @@ def predict_checkpointed(
     memo = _backward_memo(size, region, xs_refs)
     kept = graph_lib.boundary_tensors(region, ys, xs, checkpoints)
     for y in ys:
-        grads.add(y, size(y), step)
+        grads.add(y.ref(), size(y), step)
     groups = sorted(
         {t.op for t in kept.values() if t.op in region}, key=graph_lib.op_order, reverse=True
     )

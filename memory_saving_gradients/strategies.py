@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ._tensorflow import tf
+from . import _gc
 from . import budget as budget_lib
 from . import cuts as cuts_lib
 from . import graph as graph_lib
@@ -102,9 +103,9 @@ def memory(
     reach and recomputation.  Each plan proposed is scored by its
     recomputation (in forward passes) plus ``MEMORY_WEIGHT`` times its peak
     (in least peaks), and the lowest score is taken, among plans whose peak
-    exceeds the least one by at most ``MEMORY_SLACK`` of it and
-    ``BASELINE_SLACK`` of plain ``tf.gradients``' peak.  So 10% more memory
-    must buy 3% of a forward pass.  Both are relative to the least peak: the
+    exceeds the least one by at most ``MEMORY_SLACK`` of it (so at most
+    twice it) and that keep ``1 - SAVING_SLACK`` of the largest saving.  So
+    10% more memory must buy 3% of a forward pass.  Both are relative to the least peak: the
     chosen peak grows with the model as the least one does (about sqrt(depth)
     on a chain or a residual net), not as plain ``tf.gradients``' does.  With ``memory_budget``
     (bytes): the least recomputation whose predicted peak fits it; ValueError
@@ -116,17 +117,20 @@ def memory(
 #: Without a budget, 'memory' weighs one least peak of memory as this many
 #: forward passes of recomputation ...
 MEMORY_WEIGHT = 0.3
-#: ... and lets its peak exceed the least one by at most this fraction of it ...
-MEMORY_SLACK = 0.75
-#: ... and by at most this fraction of plain tf.gradients' predicted peak (for
-#: graphs where the least peak is itself a large part of it).
-BASELINE_SLACK = 0.1
+#: ... lets its peak exceed the least one by at most this fraction of it ...
+MEMORY_SLACK = 1.0
+#: ... and gives up at most this fraction of the largest saving it can reach
+#: (plain tf.gradients' predicted peak minus the least peak).
+SAVING_SLACK = 0.2
+#: Scores closer than this (in forward passes) are ties, won by the lower peak.
+SCORE_TIE = 0.02
 #: Model budgets tried between the floor and the top of the slack.
-SLACK_PROBES = 6
+SLACK_PROBES = 4
 #: Model budgets just above the floor (as multiples of it) also tried for the least peak.
-FLOOR_PROBES = (1.05, 1.1)
+FLOOR_PROBES = (1.1,)
 
 
+@_gc.without_cyclic_gc
 def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> list:
     """The 'memory' strategy's choice of checkpoint tensors.
 
@@ -145,12 +149,14 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
     fixed = sum(
         graph_lib.tensor_bytes(x, unknown_dim) for x in xs if graph_lib.is_differentiable(x)
     ) if fetched else 0
-    problem = budget_lib.CutProblem(cuts, fixed)
+    # Two models of a segment's bytes (see budget.CutProblem): each proposes,
+    # the simulation judges every proposal.
+    problems = [budget_lib.CutProblem(cuts, fixed, held_only) for held_only in (False, True)]
 
     simulated: dict = {}
     recomputable = [tuple(t for t in ts if region.is_recomputable(t.op)) for ts in cuts.tensors]
 
-    def proposal(model_budget, solution=None):
+    def proposal(problem, model_budget, solution=None):
         solution = solution or budget_lib.least_recompute(problem, model_budget)
         if solution is None:
             return None
@@ -164,35 +170,47 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
         return simulated[key]
 
     def least_feasible():
-        """The plan of least simulated peak near the least budget the program finds feasible.
+        """Each model's floor (the least budget its program finds feasible), and the
+        plan of least simulated peak near them.
 
-        Near the floor, the simulated peak need not rise with the model's
+        Near a floor, the simulated peak need not rise with the model's
         budget, so a few budgets just above it are tried too.
         """
-        floor, at_floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
-        if at_floor is None:
-            return floor, None
-        found = [proposal(floor, at_floor)] + [proposal(floor * f) for f in FLOOR_PROBES]
-        return floor, min((p for p in found if p), key=lambda p: (p[0], p[1]))
+        floors, found = [], []
+        for problem in problems:
+            floor, at_floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
+            if at_floor is None:
+                continue
+            floors.append((problem, floor))
+            found += [proposal(problem, floor, at_floor)]
+            found += [proposal(problem, floor * f) for f in FLOOR_PROBES]
+        found = [p for p in found if p]
+        return floors, min(found, key=lambda p: (p[0], p[1])) if found else None
 
     if memory_budget is None:
         baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, size).peak_bytes
-        floor, lowest = least_feasible()
+        floors, lowest = least_feasible()
         if lowest is None or lowest[0] >= baseline:
             return []
-        limit = lowest[0] + min(MEMORY_SLACK * lowest[0], BASELINE_SLACK * baseline)
-        chosen = _best_trade(proposal, floor, lowest, limit, float(problem.work_prefix[-1]))
+        limit = lowest[0] + min(MEMORY_SLACK * lowest[0], SAVING_SLACK * (baseline - lowest[0]))
+        candidates = [lowest]
+        for problem, floor in floors:
+            candidates += _probes(lambda b: proposal(problem, b), floor, lowest[0], limit)
+        chosen = _best_trade(candidates, lowest[0], limit, float(problems[0].work_prefix[-1]))
         return chosen[2] if chosen[0] < baseline else lowest[2]
-    target = float(memory_budget)
-    for _ in range(5):
-        found = proposal(target)
-        if found is None:
-            break
-        if found[0] <= memory_budget:
-            return found[2]
-        target *= 0.97 * memory_budget / found[0]
-    floor, lowest = least_feasible()
-    proposals = [p for p in (lowest, proposal(floor + 0.15 * memory_budget)) if p]
+    for problem in problems:
+        target = float(memory_budget)
+        for _ in range(5):
+            found = proposal(problem, target)
+            if found is None:
+                break
+            if found[0] <= memory_budget:
+                return found[2]
+            target *= 0.97 * memory_budget / found[0]
+    floors, lowest = least_feasible()
+    proposals = [lowest] + [proposal(problem, floor + 0.15 * memory_budget)
+                            for problem, floor in floors]
+    proposals = [p for p in proposals if p]
     fitting = [p for p in proposals if p[0] <= memory_budget]
     if fitting:
         return min(fitting, key=lambda p: (p[1], p[0]))[2]
@@ -204,23 +222,36 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
     )
 
 
-def _best_trade(proposal, floor, lowest, limit, forward_work):
-    """Of the proposals within ``limit``, the least ``recompute/forward + MEMORY_WEIGHT * peak/lowest``.
+def _probes(proposal, floor, least_peak, limit) -> list:
+    """Proposals for up to ``SLACK_PROBES`` model budgets above ``floor``.
 
     Larger model budgets recompute less and peak higher; the model's budget
-    and the simulated peak differ by a factor, measured at the floor, so
-    ``SLACK_PROBES`` budgets are tried, spaced evenly in ratio between the
-    floor and ``limit`` scaled by that factor.
+    and the simulated peak differ by a factor, measured at the floor, so the
+    budgets are spaced evenly in ratio between the floor and ``limit``
+    scaled by that factor.  The first proposal above ``limit`` ends the search.
     """
-    scale = floor / max(lowest[0], 1)
+    at_floor = proposal(floor)
+    scale = floor / max(at_floor[0] if at_floor else least_peak, 1)
     top = max(floor, limit * scale) * 1.25
+    found = [at_floor] if at_floor else []
+    for k in range(1, SLACK_PROBES + 1):
+        p = proposal(floor * (top / floor) ** (k / SLACK_PROBES))
+        if p is None:
+            continue
+        found.append(p)
+        if p[0] > limit:  # larger budgets peak higher still
+            break
+    return found
+
+
+def _best_trade(candidates, least_peak, limit, forward_work):
+    """The candidate within ``limit`` of least ``recompute / forward + MEMORY_WEIGHT *
+    peak / least_peak``; scores within ``SCORE_TIE`` of it count as equal, and
+    the least peak among them is taken."""
 
     def score(p):
-        return p[1] / max(forward_work, 1.0) + MEMORY_WEIGHT * p[0] / max(lowest[0], 1)
+        return p[1] / max(forward_work, 1.0) + MEMORY_WEIGHT * p[0] / max(least_peak, 1)
 
-    chosen = lowest
-    for k in range(1, SLACK_PROBES + 1):
-        found = proposal(floor * (top / floor) ** (k / SLACK_PROBES))
-        if found is not None and found[0] <= limit and score(found) < score(chosen):
-            chosen = found
-    return chosen
+    within = [p for p in candidates if p[0] <= limit]
+    best = min(score(p) for p in within)
+    return min((p for p in within if score(p) <= best + SCORE_TIE), key=lambda p: (p[0], p[1]))

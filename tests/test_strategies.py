@@ -293,7 +293,7 @@ def test_memory_trades_peak_for_recomputation_within_its_slack(monkeypatch):
     assert least_peak <= default_peak
     assert default.recompute_cost <= least.recompute_cost
     assert default_peak <= least_peak + min(strategies.MEMORY_SLACK * least_peak,
-                                            strategies.BASELINE_SLACK * baseline)
+                                            strategies.SAVING_SLACK * (baseline - least_peak))
 
 
 def test_memory_peak_grows_as_sqrt_depth_not_as_depth():
