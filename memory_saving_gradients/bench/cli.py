@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help="comma-separated models from test_models/")
     p.add_argument("--depths", default=None,
-                   help="ResNet depths (6n+2), comma-separated; default 20,56,110,164,218 (quick: 8,14)")
+                   help="ResNet depths (6n+2), comma-separated; default 20,56,110,164 (quick: 8,14)")
     p.add_argument("--batch", type=int, default=None, help="batch size for every model "
                    "(default: each model's sweep size, ResNet 32)")
     p.add_argument("--size", action="append", default=[], metavar="MODEL.KEY=VALUE",
