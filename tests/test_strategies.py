@@ -310,3 +310,20 @@ def test_memory_peak_grows_as_sqrt_depth_not_as_depth():
     theirs_exponent = np.polyfit(np.log(depths), np.log(theirs), 1)[0]
     assert theirs_exponent >= 0.9, theirs_exponent
     assert ours_exponent <= 0.6, (ours_exponent, [p / MB for p in ours])
+
+
+def test_planning_restores_the_garbage_collector_state():
+    """The planner pauses Python's cyclic GC while it runs and leaves it as it found it."""
+    import gc
+
+    with tf.Graph().as_default():
+        model = test_models.build("resnet", depth=8, batch=2)
+        assert gc.isenabled()
+        msg.plan(model.loss, model.params, checkpoints="memory")
+        assert gc.isenabled()
+        gc.disable()
+        try:
+            msg.gradients(model.loss, model.params, checkpoints="memory")
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
