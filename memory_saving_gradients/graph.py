@@ -225,28 +225,23 @@ class ForwardRegion:
         return frozenset(ops)
 
     def consumed_outputs(self, op: tf.Operation) -> tuple:
-        """Outputs of ``op`` consumed by ops of the region, remembered."""
-        found = self._consumed.get(op)
-        if found is None:
-            found = self._consumed[op] = tuple(
-                t for t in op.outputs if any(c in self.ops for c in t.consumers())
-            )
-        return found
+        """Outputs of ``op`` consumed by ops of the region."""
+        return self._consumed[op]
 
     @functools.cached_property
     def _consumed(self) -> dict:
-        return {}
+        return {
+            op: tuple(t for t in op.outputs if any(c in self.ops for c in t.consumers()))
+            for op in self.order
+        }
 
     def inputs_with_refs(self, op: tf.Operation) -> tuple:
-        """``(tensor, tensor.ref())`` for each input of ``op``, remembered."""
-        found = self._inputs.get(op)
-        if found is None:
-            found = self._inputs[op] = tuple((t, t.ref()) for t in op.inputs)
-        return found
+        """``(tensor, tensor.ref())`` for each input of an op of the region."""
+        return self._inputs[op]
 
     @functools.cached_property
     def _inputs(self) -> dict:
-        return {}
+        return {op: tuple((t, t.ref()) for t in op.inputs) for op in self.order}
 
 
 def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardRegion:

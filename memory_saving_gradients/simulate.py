@@ -65,8 +65,7 @@ class Sizer:
         self.assumed: set = set()
         self._bytes: dict = {}
         self._costs: dict = {}
-        self._forward: dict = {}  # id(region) -> (region, forward-pass timeline, steps)
-        self._backward: dict = {}  # (id(region), xs refs) -> {op: what its gradient does}
+        self._per_region: dict = {}  # (id(region), key) -> (region, value)
 
     def __call__(self, tensor: tf.Tensor) -> int:
         # keyed by identity (a graph op keeps its output tensors), tensor kept alive
@@ -78,6 +77,14 @@ class Sizer:
             found = self._bytes[id(tensor)] = (
                 tensor, graph_lib.tensor_bytes(tensor, self.unknown_dim)
             )
+        return found[1]
+
+    def per_region(self, region, key, make):
+        """``make()``, computed once per region and ``key`` and remembered: what
+        every prediction over the same region shares."""
+        found = self._per_region.get((id(region), key))
+        if found is None or found[0] is not region:
+            found = self._per_region[(id(region), key)] = (region, make())
         return found[1]
 
     def cost(self, op: tf.Operation) -> float:
@@ -193,19 +200,19 @@ def _carries_gradient(tensor: tf.Tensor) -> bool:
     return graph_lib.is_differentiable(tensor) or tensor.dtype == tf.resource
 
 
-def _forward_timeline(region, size) -> tuple:
+def _forward_timeline(region, size: Sizer) -> tuple:
     """A fresh timeline holding the forward pass, and the steps it took.
 
-    The forward pass is the same for every prediction over a region: a
+    The forward pass is the same for every prediction over a region: the
     ``Sizer`` keeps it, and each prediction starts from a copy.
     """
-    cached = size._forward.get(id(region)) if isinstance(size, Sizer) else None
-    if cached is None or cached[0] is not region:
+
+    def make():
         timeline = _Timeline()
-        cached = (region, timeline, _forward(timeline, region, size))
-        if isinstance(size, Sizer):
-            size._forward[id(region)] = cached
-    return cached[1].copy(), cached[2]
+        return timeline, _forward(timeline, region, size)
+
+    timeline, steps = size.per_region(region, "forward", make)
+    return timeline.copy(), steps
 
 
 def _forward(timeline: _Timeline, region, size) -> int:
@@ -253,14 +260,13 @@ class _Gradients:
                 buffer[1] = _END if keep else buffer[0]
 
 
-def _backward_op(op, step, timeline, grads, region, xs_refs, size, rename=lambda k: k,
-                 memo=None):
+def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=lambda k: k):
     """One op's gradient: reads what it needs, consumes its outputs' gradients, emits its inputs'.
 
     ``memo`` (a dict per region and xs) remembers, per op, what its gradient
     reads and which inputs get a gradient of what size.
     """
-    found = memo.get(op) if memo is not None else None
+    found = memo.get(op)
     if found is None:
         def wanted(t):
             return t.op in region or t.ref() in xs_refs
@@ -272,8 +278,7 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, rename=lambda
             [(t.ref(), _gradient_size(t, op, size)) for t in op.inputs
              if _carries_gradient(t) and wanted(t)],
         )
-        if memo is not None:
-            memo[op] = found
+        memo[op] = found
     reads, outputs, emitted = found
     for ref in reads:
         timeline.use(rename(ref), step)
@@ -282,15 +287,9 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, rename=lambda
         grads.add(ref, nbytes, step)
 
 
-def _backward_memo(size, region, xs_refs) -> dict | None:
-    """The per-op memo of :func:`_backward_op` for this region and xs, kept by a ``Sizer``."""
-    if not isinstance(size, Sizer):
-        return None
-    key = (id(region), frozenset(xs_refs))
-    cached = size._backward.get(key)
-    if cached is None or cached[0] is not region:
-        cached = size._backward[key] = (region, {})
-    return cached[1]
+def _backward_memo(size: Sizer, region, xs_refs) -> dict:
+    """The per-op memo of :func:`_backward_op` for this region and xs, kept by the ``Sizer``."""
+    return size.per_region(region, frozenset(xs_refs), dict)
 
 
 def predict_baseline(
@@ -315,7 +314,7 @@ def predict_baseline(
         grads.add(y.ref(), size(y), step)
     for op in reversed(region.order):
         step += 1
-        _backward_op(op, step, timeline, grads, region, xs_refs, size, memo=memo)
+        _backward_op(op, step, timeline, grads, region, xs_refs, size, memo)
     grads.finish(fetched)
     forward_work = sum(size.cost(op) for op in region.order)
     return Prediction(timeline.peak(step + 1), 0.0, forward_work, size.assumptions())
@@ -376,7 +375,7 @@ def predict_checkpointed(
                         timeline.alloc(key, size(t), step)
         for seg_op in reversed(segment.ops):
             step += 1
-            _backward_op(seg_op, step, timeline, grads, region, xs_refs, size, rename, memo)
+            _backward_op(seg_op, step, timeline, grads, region, xs_refs, size, memo, rename)
     grads.finish(fetched)
     forward_work = sum(size.cost(op) for op in region.order)
     return Prediction(

@@ -181,9 +181,8 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
             floor, at_floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
             if at_floor is None:
                 continue
-            floors.append((problem, floor))
-            found += [proposal(problem, floor, at_floor)]
-            found += [proposal(problem, floor * f) for f in FLOOR_PROBES]
+            floors.append((problem, floor, proposal(problem, floor, at_floor)))
+            found += [floors[-1][2]] + [proposal(problem, floor * f) for f in FLOOR_PROBES]
         found = [p for p in found if p]
         return floors, min(found, key=lambda p: (p[0], p[1])) if found else None
 
@@ -194,8 +193,8 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
             return []
         limit = lowest[0] + min(MEMORY_SLACK * lowest[0], SAVING_SLACK * (baseline - lowest[0]))
         candidates = [lowest]
-        for problem, floor in floors:
-            candidates += _probes(lambda b: proposal(problem, b), floor, lowest[0], limit)
+        for problem, floor, at_floor in floors:
+            candidates += _probes(lambda b: proposal(problem, b), floor, at_floor, limit)
         chosen = _best_trade(candidates, lowest[0], limit, float(problems[0].work_prefix[-1]))
         return chosen[2] if chosen[0] < baseline else lowest[2]
     for problem in problems:
@@ -209,7 +208,7 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
             target *= 0.97 * memory_budget / found[0]
     floors, lowest = least_feasible()
     proposals = [lowest] + [proposal(problem, floor + 0.15 * memory_budget)
-                            for problem, floor in floors]
+                            for problem, floor, _ in floors]
     proposals = [p for p in proposals if p]
     fitting = [p for p in proposals if p[0] <= memory_budget]
     if fitting:
@@ -222,18 +221,18 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
     )
 
 
-def _probes(proposal, floor, least_peak, limit) -> list:
+def _probes(proposal, floor, at_floor, limit) -> list:
     """Proposals for up to ``SLACK_PROBES`` model budgets above ``floor``.
 
     Larger model budgets recompute less and peak higher; the model's budget
     and the simulated peak differ by a factor, measured at the floor, so the
     budgets are spaced evenly in ratio between the floor and ``limit``
     scaled by that factor.  The first proposal above ``limit`` ends the search.
+    ``at_floor``: the proposal at the floor.
     """
-    at_floor = proposal(floor)
-    scale = floor / max(at_floor[0] if at_floor else least_peak, 1)
+    scale = floor / max(at_floor[0], 1)
     top = max(floor, limit * scale) * 1.25
-    found = [at_floor] if at_floor else []
+    found = []
     for k in range(1, SLACK_PROBES + 1):
         p = proposal(floor * (top / floor) ** (k / SLACK_PROBES))
         if p is None:
