@@ -77,6 +77,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes, 2 steps, small cap, 5 training steps: a smoke test")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--suite", choices=("default", "keras"), default="default",
+                   help="keras: the Keras suite instead of the sweep (Keras 3 / tf_keras fit, "
+                   "a custom loop, keras-hub GPT-2 and BERT; plain vs patched() / "
+                   "keras.enable / RematScope, each in its own process; uses --out, --quick)")
     return p
 
 
@@ -95,6 +99,11 @@ def resolve_device(choice: str) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if args.suite == "keras":
+        from . import keras_suite
+
+        return keras_suite.main(out=args.out, quick=args.quick, command=" ".join(
+            ["python -m memory_saving_gradients.benchmark"] + list(sys.argv[1:] if argv is None else argv)))
     from .._tensorflow import tf
     from . import fits as fits_lib
     from . import models, report, sweep, training
