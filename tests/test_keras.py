@@ -186,3 +186,30 @@ def test_run_eagerly_trains_and_logs_once(caplog):
         got = _fit(model, steps=2)
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=2e-4)
     assert len([r for r in caplog.records if "eager" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_patched_fit_on_tf_data_trains_like_keras(steps_per_execution, recorded_graphs):
+    """The one line for a TF2 user: `with patched():` around fit on a tf.data pipeline
+    batched without drop_remainder (batch dimension None, a partial last batch)."""
+    import tensorflow as tf
+
+    x, y = _data(batch=200)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)  # 64, 64, 64, 8
+
+    def run(patch):
+        model = _model(0.3)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse",
+                      steps_per_execution=steps_per_execution)
+        if patch:
+            with msg.patched("memory"):
+                return model.fit(data, epochs=2, verbose=0).history["loss"]
+        return model.fit(data, epochs=2, verbose=0).history["loss"]
+
+    want = run(False)
+    got = run(True)
+    assert recorded_graphs, "fit() did not go through the library"
+    assert any(
+        "recompute" in op.name for g in recorded_graphs for op in g.get_operations()
+    ), "the planner kept nothing in fit's step"
+    np.testing.assert_allclose(got, want, rtol=1e-5)
