@@ -100,7 +100,8 @@ class Sizer:
         names = sorted(self.assumed)
         return (
             f"{len(names)} tensors have unknown dimensions, counted as "
-            f"{self.unknown_dim} (e.g. {', '.join(names[:3])})",
+            f"{self.unknown_dim} (e.g. {', '.join(names[:3])}); pass batch_size= "
+            "to state the size you feed",
         )
 
 
