@@ -5,8 +5,9 @@
 #
 # On first use it creates .venv (python3 -m venv), installs tensorflow-cpu
 # there if no TensorFlow is importable in it (an installed GPU build or
-# tensorflow-cpu is left alone), and installs this package with its test
-# extras.  Where TensorFlow sees a GPU it also runs the GPU ResNet comparison
+# tensorflow-cpu is left alone), installs this package with its test, bench
+# and keras extras, and tf-keras / keras-hub without their dependencies.
+# Where TensorFlow sees a GPU it also runs the GPU ResNet comparison
 # (benchmarks/gpu_resnet.py).  Exits non-zero if anything failed.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -25,8 +26,20 @@ if ! "$PY" -c "import tensorflow" >/dev/null 2>&1; then
     "$PY" -m pip install -q "tensorflow-cpu==$TF_CPU_VERSION"
 fi
 
-echo "run_all_tests: installing the package with its test and benchmark extras (pip install -e .[test,bench]; the benchmark has tests too)"
-"$PY" -m pip install -q -e ".[test,bench]"
+echo "run_all_tests: installing the package with its test, benchmark and keras extras (pip install -e .[test,bench,keras]; the benchmark has tests too)"
+"$PY" -m pip install -q -e ".[test,bench,keras]"
+
+# tf_keras and keras-hub (tests/test_tf_keras.py, tests/test_keras_models.py) go in
+# without their dependencies: tf-keras asks for the full `tensorflow` wheel and
+# keras-hub for tensorflow-text, which asks for it too, and either would install a
+# second TensorFlow over tensorflow-cpu. What they import (regex, tokenizers) comes
+# with the keras extra above.
+if ! "$PY" -c "import tf_keras, keras_hub" >/dev/null 2>&1; then
+    tf_minor="$("$PY" -c "import tensorflow as tf; print('.'.join(tf.__version__.split('.')[:2]))" 2>/dev/null | tail -n 1)"
+    echo "run_all_tests: installing tf-keras==$tf_minor.* and keras-hub==0.32.0 with --no-deps (tensorflow-cpu stays the only TensorFlow)"
+    "$PY" -m pip install -q --no-deps "tf-keras==$tf_minor.*" "keras-hub==0.32.0" \
+        || echo "run_all_tests: could not install tf-keras / keras-hub; their tests skip and say why"
+fi
 
 status=0
 

@@ -7,6 +7,7 @@
 # Creates .venv when it is missing (installs the package with its test and bench extras,
 # and tensorflow-cpu 2.21.0 only when no TensorFlow is importable there).
 # Options are passed on: ./run_benchmark.sh --help, ./run_benchmark.sh --quick, ...
+# ./run_benchmark.sh --suite keras: the Keras suite instead (docs/keras.md; a few minutes).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -25,6 +26,19 @@ if ! "$PY" -c "import memory_saving_gradients, matplotlib, tqdm" >/dev/null 2>&1
     echo "Installing the package with its bench extras into .venv ..."
     "$PY" -m pip install -q -e ".[test,bench]"
 fi
+
+case " $* " in
+    *" --suite keras "*|*" --suite=keras "*)
+        # the Keras suite needs tf_keras and keras-hub: installed without their dependencies,
+        # which would pull the full tensorflow wheel over tensorflow-cpu (see run_all_tests.sh)
+        if ! "$PY" -c "import tf_keras, keras_hub" >/dev/null 2>&1; then
+            tf_minor="$("$PY" -c "import tensorflow as tf; print('.'.join(tf.__version__.split('.')[:2]))" | tail -n 1)"
+            echo "Installing tf-keras==$tf_minor.* and keras-hub==0.32.0 (--no-deps) and the keras extra ..."
+            "$PY" -m pip install -q -e ".[keras]"
+            "$PY" -m pip install -q --no-deps "tf-keras==$tf_minor.*" "keras-hub==0.32.0"
+        fi
+        ;;
+esac
 
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 exec "$PY" -m memory_saving_gradients.benchmark "$@"

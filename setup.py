@@ -23,6 +23,13 @@ setup(
         "gpu": ["tensorflow[and-cuda]>=2.16"],
         "test": ["pytest", "hypothesis", "networkx", "toposort"],
         "bench": ["matplotlib", "tqdm"],
+        # What tf_keras and keras-hub import to build models from config (tests and the
+        # Keras suite). tf-keras and keras-hub themselves are not listed: their metadata
+        # asks for the full `tensorflow` wheel (keras-hub via tensorflow-text), which
+        # would install a second TensorFlow over tensorflow-cpu. Install them with
+        #   pip install --no-deps "tf-keras==<your TF major.minor>.*" "keras-hub==0.32.0"
+        # as run_all_tests.sh does.
+        "keras": ["keras>=3.15", "regex", "tokenizers"],
     },
     license="MIT",
 )
