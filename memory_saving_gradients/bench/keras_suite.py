@@ -618,8 +618,7 @@ def plot(rows: List[Row], path: str) -> Optional[str]:
                 if r.error is not None or value is None:
                     ax.text(xpos, 0, "x", ha="center", va="bottom", color=f"C{j}", fontsize=9)
                     continue
-                ax.bar(xpos, value, width, color=f"C{j}",
-                       label=v if i == 0 or not ax.get_legend_handles_labels()[1].count(v) else None)
+                ax.bar(xpos, value, width, color=f"C{j}", label=v)
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels(cases, rotation=20)
         ax.set_title(title)
