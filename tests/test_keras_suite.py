@@ -65,6 +65,10 @@ def test_error_description_skips_keras_wrapper_line():
                        "\x1b[1mThe custom_gradient decorator needs eager.\x1b[0m\n\nArguments")
     assert keras_suite.describe_error(error) == (
         "ValueError: The custom_gradient decorator needs eager.")
+    autograph = ValueError("in user code:\n\n    File \"x.py\", line 3, in step  *\n"
+                           "        loss = f(x)\n\n    ValueError: Exception encountered "
+                           "when calling Functional.call().\n\n    Keywords need eager.\n")
+    assert keras_suite.describe_error(autograph) == "ValueError: Keywords need eager."
 
 
 def test_tiny_case_in_its_own_process_trains_and_measures():

@@ -19,15 +19,18 @@ bert_fit        keras-hub ``BertTextClassifier`` from config, random weights
 and for each the variants ``plain`` (no library), ``patched`` (``with
 memory_saving_gradients.patched(): ...``), ``enable``
 (``memory_saving_gradients.keras.enable(model)``, where the case calls
-``fit``) and ``remat`` (Keras 3's ``keras.RematScope(mode='full')`` around
-model building, where the model is Keras 3's).  Failures are rows too.
+``fit``) and ``remat`` / ``remat_act`` (Keras 3's ``keras.RematScope`` with
+``mode='full'`` / ``'activations'`` around model building, where the model is
+Keras 3's).  Failures are rows too.
 
 Columns: fit's own peak RSS (the process's peak resident set during all fit
 calls, reset just before them, minus the resident set before them: tracing
 and planning count), the allocator's peak of the timed steps (bytes in use
 beyond what was in use before them, from TensorFlow's CPU allocator
-statistics), step time and its ratio to ``plain`` (same run, other processes
-may share the cores), and whether the losses equal ``plain``'s.
+statistics), the median step time and the CPU time per step (all threads)
+with their ratios to ``plain`` (same run; other processes may share the
+cores, which the CPU time feels less), and whether the losses equal
+``plain``'s.
 
 The model builders here are also used by the test suite (tests/
 test_keras_models.py); Keras, tf_keras and keras-hub are imported only when
@@ -50,12 +53,15 @@ MIB = 1 << 20
 
 #: case -> variants that apply to it
 CASES: Dict[str, Tuple[str, ...]] = {
-    "keras3_fit": ("plain", "patched", "enable", "remat"),
+    "keras3_fit": ("plain", "patched", "enable", "remat", "remat_act"),
     "tf_keras_fit": ("plain", "patched", "enable"),
-    "custom_loop": ("plain", "patched", "remat"),
-    "gpt2_fit": ("plain", "patched", "enable", "remat"),
-    "bert_fit": ("plain", "patched", "enable", "remat"),
+    "custom_loop": ("plain", "patched", "remat", "remat_act"),
+    "gpt2_fit": ("plain", "patched", "enable", "remat", "remat_act"),
+    "bert_fit": ("plain", "patched", "enable", "remat", "remat_act"),
 }
+
+#: variant -> keras.RematScope mode
+REMAT_MODES = {"remat": "full", "remat_act": "activations"}
 
 CASE_HELP = {
     "keras3_fit": "Keras 3 fit, tf.data .batch(B) (batch unknown), conv net with batch norm",
@@ -70,15 +76,16 @@ VARIANT_HELP = {
     "patched": "with memory_saving_gradients.patched(): fit / the step",
     "enable": "memory_saving_gradients.keras.enable(model)",
     "remat": "keras.RematScope(mode='full') around building the model (Keras 3 only)",
+    "remat_act": "keras.RematScope(mode='activations') around building the model (Keras 3 only)",
 }
 
 #: sizes of the suite (a few minutes on 2 cores) and of --quick (a smoke test)
 SIZES: Dict[str, Dict[str, int]] = {
     "conv": dict(batch=64, image=32, channels=16, depth=12, classes=10, warm_steps=2, steps=6),
     "gpt2": dict(batch=16, seq=256, layers=4, hidden=128, heads=4, vocab=2048,
-                 warm_steps=2, steps=4),
+                 warm_steps=2, steps=6),
     "bert": dict(batch=16, seq=256, layers=4, hidden=128, heads=4, vocab=2048, classes=2,
-                 warm_steps=2, steps=4),
+                 warm_steps=2, steps=6),
 }
 QUICK_SIZES: Dict[str, Dict[str, int]] = {
     "conv": dict(batch=8, image=16, channels=8, depth=4, classes=10, warm_steps=1, steps=2),
@@ -305,25 +312,37 @@ class AllocatorPeak:
         return False
 
 
-class _BatchLosses:
-    """Collects Keras' running loss after every batch (a Callback of ``kmod``)."""
+def _batch_recorder(kmod, losses: List[float], seconds: List[float]):
+    """A Callback of ``kmod`` that appends Keras' running loss after every batch to
+    ``losses`` and each batch's wall time (begin to end, the loss read included) to
+    ``seconds``."""
 
-    @staticmethod
-    def make(kmod, losses: List[float]):
-        class Collect(kmod.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                losses.append(float(logs["loss"]))
+    class Record(kmod.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self._start = time.perf_counter()
 
-        return Collect()
+        def on_train_batch_end(self, batch, logs=None):
+            losses.append(float(logs["loss"]))
+            seconds.append(time.perf_counter() - self._start)
+
+    return Record()
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def fit_and_measure(kmod, model, dataset_or_xy, warm_steps: int, steps: int,
                     batch_size: Optional[int] = None) -> Dict[str, object]:
     """Train ``warm_steps`` then ``steps`` batches with ``model.fit`` (two fit calls of
     one epoch each); returns losses (Keras' running mean after each batch), fit's own
-    peak RSS (both calls), the allocator peak and seconds per step of the second call."""
+    peak RSS (both calls), the allocator peak and the median seconds per batch of the
+    second call."""
     losses: List[float] = []
-    callback = _BatchLosses.make(kmod, losses)
+    seconds: List[float] = []
+    callback = _batch_recorder(kmod, losses, seconds)
 
     def fit(part: int, n: int):
         data = dataset_or_xy(part, n) if callable(dataset_or_xy) else dataset_or_xy
@@ -336,12 +355,12 @@ def fit_and_measure(kmod, model, dataset_or_xy, warm_steps: int, steps: int,
     with PeakRSS() as rss:
         fit(0, warm_steps)
         with AllocatorPeak() as alloc:
-            start = time.perf_counter()
+            cpu = time.process_time()
             fit(1, steps)
-            seconds = (time.perf_counter() - start) / steps
+            cpu = (time.process_time() - cpu) / steps
     return {"losses": losses, "fit_rss_mb": rss.grown / MIB,
             "alloc_peak_mb": None if alloc.grown is None else alloc.grown / MIB,
-            "step_s": seconds}
+            "step_s": _median(seconds[warm_steps:]), "cpu_s": cpu}
 
 
 def _tf_dataset(x, y, batch: int):
@@ -372,8 +391,8 @@ def run_case(case: str, variant: str, size: Dict[str, int]) -> Dict[str, object]
     b = size["batch"]
     patch_ctx = msg.patched() if variant == "patched" else contextlib.nullcontext()
     remat_ctx = contextlib.nullcontext()
-    if variant == "remat":
-        remat_ctx = import_keras3().RematScope(mode="full")
+    if variant in REMAT_MODES:
+        remat_ctx = import_keras3().RematScope(mode=REMAT_MODES[variant])
 
     if case in ("keras3_fit", "tf_keras_fit"):
         kmod = import_keras3() if case == "keras3_fit" else import_tf_keras()
@@ -433,14 +452,17 @@ def _run_custom_loop(size, patch_ctx, remat_ctx) -> Dict[str, object]:
         with PeakRSS() as rss:
             for i in range(warm):
                 losses.append(float(step(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])))
+            seconds = []
             with AllocatorPeak() as alloc:
-                start = time.perf_counter()
+                cpu = time.process_time()
                 for i in range(warm, warm + steps):
+                    start = time.perf_counter()
                     losses.append(float(step(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])))
-                seconds = (time.perf_counter() - start) / steps
+                    seconds.append(time.perf_counter() - start)
+                cpu = (time.process_time() - cpu) / steps
     return {"losses": losses, "fit_rss_mb": rss.grown / MIB,
             "alloc_peak_mb": None if alloc.grown is None else alloc.grown / MIB,
-            "step_s": seconds}
+            "step_s": _median(seconds), "cpu_s": cpu}
 
 
 # ----------------------------------------------------------------------------- the suite
@@ -453,11 +475,13 @@ class Row:
     fit_rss_mb: Optional[float] = None
     alloc_peak_mb: Optional[float] = None
     step_s: Optional[float] = None
+    cpu_s: Optional[float] = None
     losses: Optional[List[float]] = None
     error: Optional[str] = None
     rss_ratio: Optional[float] = None
     alloc_ratio: Optional[float] = None
     time_ratio: Optional[float] = None
+    cpu_ratio: Optional[float] = None
     losses_equal: Optional[bool] = None
     wall_s: Optional[float] = None
 
@@ -490,7 +514,7 @@ def run_in_subprocess(case: str, variant: str, size: Dict[str, int], timeout: fl
                 return Row(case, variant, error=got["error"], wall_s=wall)
             return Row(case, variant, fit_rss_mb=got["fit_rss_mb"],
                        alloc_peak_mb=got["alloc_peak_mb"], step_s=got["step_s"],
-                       losses=got["losses"], wall_s=wall)
+                       cpu_s=got.get("cpu_s"), losses=got["losses"], wall_s=wall)
     tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
     return Row(case, variant, error=f"process exited {done.returncode}: {tail[:200]}", wall_s=wall)
 
@@ -508,12 +532,13 @@ def compare(rows: List[Row]) -> List[Row]:
         if r.error is not None or base is None:
             continue
         if r.variant == "plain":
-            r.rss_ratio = r.alloc_ratio = r.time_ratio = 1.0
+            r.rss_ratio = r.alloc_ratio = r.time_ratio = r.cpu_ratio = 1.0
             r.losses_equal = True
             continue
         r.rss_ratio = _ratio(r.fit_rss_mb, base.fit_rss_mb)
         r.alloc_ratio = _ratio(r.alloc_peak_mb, base.alloc_peak_mb)
         r.time_ratio = _ratio(r.step_s, base.step_s)
+        r.cpu_ratio = _ratio(r.cpu_s, base.cpu_s)
         r.losses_equal = (len(r.losses) == len(base.losses) and bool(np.allclose(
             r.losses, base.losses, rtol=LOSS_RTOL, atol=1e-6)))
     return rows
@@ -541,11 +566,12 @@ def run_suite(cases: Sequence[str], variants: Sequence[str], quick: bool = False
 # ----------------------------------------------------------------------------- outputs
 
 COLUMNS = ["case", "variant", "fit_rss_mb", "rss_ratio", "alloc_peak_mb", "alloc_ratio",
-           "step_s", "time_ratio", "losses_equal", "final_loss", "note"]
+           "step_s", "time_ratio", "cpu_s", "cpu_ratio", "losses_equal", "final_loss", "note"]
 HEADERS = {"case": "case", "variant": "variant", "fit_rss_mb": "fit's peak RSS MiB",
            "rss_ratio": "RSS / plain", "alloc_peak_mb": "allocator peak MiB",
            "alloc_ratio": "allocator / plain", "step_s": "step s",
-           "time_ratio": "time / plain", "losses_equal": "losses equal plain",
+           "time_ratio": "time / plain", "cpu_s": "CPU s/step",
+           "cpu_ratio": "CPU / plain", "losses_equal": "losses equal plain",
            "final_loss": "last loss", "note": "note"}
 
 
@@ -553,6 +579,7 @@ def row_dict(row: Row) -> Dict[str, object]:
     return {"case": row.case, "variant": row.variant, "fit_rss_mb": row.fit_rss_mb,
             "rss_ratio": row.rss_ratio, "alloc_peak_mb": row.alloc_peak_mb,
             "alloc_ratio": row.alloc_ratio, "step_s": row.step_s, "time_ratio": row.time_ratio,
+            "cpu_s": row.cpu_s, "cpu_ratio": row.cpu_ratio,
             "losses_equal": (None if row.losses_equal is None
                              else ("yes" if row.losses_equal else "NO")),
             "final_loss": row.losses[-1] if row.losses else None,
@@ -566,7 +593,7 @@ def _fmt(column: str, value) -> str:
         return f"{value:.2f}x"
     if column.endswith("_mb"):
         return f"{value:.0f}"
-    if column == "step_s":
+    if column in ("step_s", "cpu_s"):
         return f"{value:.3f}"
     if column == "final_loss":
         return f"{value:.5f}"
@@ -604,10 +631,11 @@ def plot(rows: List[Row], path: str) -> Optional[str]:
         return None
     cases = list(dict.fromkeys(r.case for r in rows))
     variants = list(dict.fromkeys(r.variant for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     width = 0.8 / max(1, len(variants))
     for ax, attr, title in ((axes[0], "fit_rss_mb", "fit's own peak RSS (MiB)"),
-                            (axes[1], "alloc_peak_mb", "allocator peak of the timed steps (MiB)")):
+                            (axes[1], "alloc_peak_mb", "allocator peak of the timed steps (MiB)"),
+                            (axes[2], "cpu_ratio", "CPU time per step / plain")):
         for j, v in enumerate(variants):
             for i, c in enumerate(cases):
                 r = next((r for r in rows if r.case == c and r.variant == v), None)
@@ -625,7 +653,9 @@ def plot(rows: List[Row], path: str) -> Optional[str]:
         handles, labels = ax.get_legend_handles_labels()
         seen = dict(zip(labels, handles))
         ax.legend(seen.values(), seen.keys(), fontsize=8)
-    fig.suptitle("Keras suite: plain vs one line (x: variant failed)")
+    failed = sorted({r.variant for r in rows if r.error is not None})
+    fig.suptitle("Keras suite: plain vs one line" + (
+        f" (x: {', '.join(failed)} failed there; see the table)" if failed else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -688,8 +718,9 @@ def main(argv: Optional[List[str]] = None, out: str = "bench_out", quick: bool =
         "- each variant in its own process; fit's peak RSS: the process's peak resident set "
         "during the fit calls (warm-up with tracing and planning, then the timed steps) minus "
         "the resident set before them; allocator peak: TensorFlow's CPU allocator, peak bytes "
-        "of the timed steps beyond those in use before them; step s: wall time of the timed "
-        "steps / steps (noisy on shared cores); losses equal: Keras' running loss after "
+        "of the timed steps beyond those in use before them; step s: median wall time of a "
+        "timed step (noisy on shared cores); CPU s/step: the process's CPU time (all threads) "
+        "over the timed steps / steps, less sensitive to other processes on the cores; losses equal: Keras' running loss after "
         f"every batch within rtol {LOSS_RTOL:g} of plain's",
         "- sizes: " + "; ".join(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items())
                                 for k, v in (QUICK_SIZES if quick else SIZES).items()),
@@ -713,6 +744,12 @@ def describe_error(error: BaseException) -> str:
 
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
     lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines and lines[0].startswith("in user code"):
+        # autograph: a traceback, then the inner error ("ValueError: ...") and its lines
+        inner = [i for i, line in enumerate(lines) if re.match(r"^\w+(Error|Exception): ", line)]
+        if inner:
+            lines = lines[inner[-1]:]
+            lines[0] = lines[0].split(": ", 1)[1]
     if len(lines) > 1 and lines[0].startswith("Exception encountered"):
         lines = lines[1:]
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:400]
