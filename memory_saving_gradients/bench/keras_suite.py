@@ -139,11 +139,9 @@ def import_keras_hub():
 
 
 def conv_net(kmod, size: Dict[str, int], seed: int = 0):
-    """A CIFAR-sized conv net (3x3 conv - batch norm - ReLU, ``depth`` times), compiled.
-
-    ``kmod`` is the keras module: Keras 3 or tf_keras.  Returns an uncompiled
-    model; :func:`compile_conv_net` compiles it.
-    """
+    """A CIFAR-sized conv net (3x3 conv - batch norm - ReLU, ``depth`` times), uncompiled
+    (:func:`compile_conv_net` compiles it).  ``kmod`` is the keras module: Keras 3 or
+    tf_keras."""
     kmod.utils.set_random_seed(seed)
     layers = kmod.layers
     inputs = kmod.Input((size["image"], size["image"], 3))
@@ -158,6 +156,7 @@ def conv_net(kmod, size: Dict[str, int], seed: int = 0):
 
 
 def compile_conv_net(kmod, model, **compile_kwargs):
+    """SGD with momentum, sparse cross-entropy on logits."""
     model.compile(optimizer=kmod.optimizers.SGD(0.01, momentum=0.9),
                   loss=kmod.losses.SparseCategoricalCrossentropy(from_logits=True),
                   **compile_kwargs)
@@ -372,8 +371,7 @@ def _tf_dataset(x, y, batch: int):
 
 
 def _sliced(x, y, start: int, n: int):
-    import numpy as np  # noqa: F401
-
+    """Rows ``start:start + n`` of arrays, or of each array of a dict of inputs."""
     if isinstance(x, dict):
         return {k: v[start:start + n] for k, v in x.items()}, y[start:start + n]
     return x[start:start + n], y[start:start + n]
@@ -385,6 +383,8 @@ def run_case(case: str, variant: str, size: Dict[str, int]) -> Dict[str, object]
 
     import memory_saving_gradients as msg
 
+    if case not in CASES:
+        raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")
     if variant not in CASES[case]:
         raise ValueError(f"variant {variant!r} does not apply to {case!r}")
     warm, steps = size["warm_steps"], size["steps"]
@@ -394,29 +394,23 @@ def run_case(case: str, variant: str, size: Dict[str, int]) -> Dict[str, object]
     if variant in REMAT_MODES:
         remat_ctx = import_keras3().RematScope(mode=REMAT_MODES[variant])
 
+    if case == "custom_loop":
+        return _run_custom_loop(size, patch_ctx, remat_ctx)
     if case in ("keras3_fit", "tf_keras_fit"):
         kmod = import_keras3() if case == "keras3_fit" else import_tf_keras()
         with remat_ctx:
             model = compile_conv_net(kmod, conv_net(kmod, size))
         x, y = conv_data(size, warm + steps)
-
-        def data(part, n):
-            xs, ys = _sliced(x, y, 0 if part == 0 else warm * b, n * b)
-            return _tf_dataset(xs, ys, b)
-    elif case == "custom_loop":
-        return _run_custom_loop(size, patch_ctx, remat_ctx)
-    elif case in ("gpt2_fit", "bert_fit"):
+    else:  # gpt2_fit, bert_fit
         kmod = import_keras3()
         build, make_data = (gpt2_model, gpt2_data) if case == "gpt2_fit" else (bert_model, bert_data)
         with remat_ctx:
             model = build(size)
         x, y = make_data(size, warm + steps)
 
-        def data(part, n):
-            xs, ys = _sliced(x, y, 0 if part == 0 else warm * b, n * b)
-            return _tf_dataset(xs, ys, b)
-    else:
-        raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")
+    def data(part, n):  # part 0: the warm-up batches, 1: the timed ones
+        xs, ys = _sliced(x, y, 0 if part == 0 else warm * b, n * b)
+        return _tf_dataset(xs, ys, b)
 
     if variant == "enable":
         msg.keras.enable(model)
