@@ -36,9 +36,23 @@ def peak_memory_during(run: Callable[[], object], device: str | None = None) -> 
 
         step(x)                                          # trace, warm up
         peak = peak_memory_during(lambda: step(x))
+
+    On CPU this needs TensorFlow's default oneDNN allocator (its statistics
+    count buffers of 256 KiB and more; smaller ones are not seen); with
+    ``TF_ENABLE_ONEDNN_OPTS=0`` the CPU keeps no statistics and this raises
+    a ``RuntimeError``.  Use :func:`peak_memory` on a traced ``Session.run``
+    there.
     """
     device = device or default_device()
-    tf.config.experimental.reset_memory_stats(device)
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError as error:
+        raise RuntimeError(
+            f"peak_memory_during: TensorFlow keeps no memory statistics for {device} "
+            "here (on CPU they come with the default oneDNN allocator; is "
+            "TF_ENABLE_ONEDNN_OPTS=0 set?). Measure a traced tf.compat.v1 Session.run "
+            "with peak_memory(run_metadata) instead."
+        ) from error
     start = tf.config.experimental.get_memory_info(device)["current"]
     run()
     return max(0, tf.config.experimental.get_memory_info(device)["peak"] - start)
