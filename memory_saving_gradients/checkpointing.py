@@ -361,9 +361,10 @@ def _backprop(
             segment = graph_lib.construct_segment(members, targets, kept)
         else:
             segment = graph_lib.segment_for(targets, region, kept)
-        waits = [t.op for t in targets] + [
-            part.op for g in target_grads for part in rewrite.tensors_of(g)
-        ] + previous_results
+        incoming = [part for g in target_grads for part in rewrite.tensors_of(g)]
+        waits = [t.op for t in targets] + [part.op for part in incoming] + _unfusable(
+            previous_results, incoming
+        )
         if segment.recompute:
             differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
             inputs = rewrite.proxies(differentiable, f"recompute_{index}/inputs", waits)
@@ -432,6 +433,21 @@ def _backprop(
             g = rewrite.zeros_like_gradient(x)
         results.append(g)
     return results
+
+
+def _unfusable(previous_results: list, incoming: list) -> list:
+    """The previous segment's gradient ops to wait for, minus those that read a
+    gradient this segment's backward pass reads too.
+
+    oneDNN's grappler remapper fuses such siblings across segments (a
+    ``BiasAddGrad`` of one segment with the ``Conv2DBackpropFilter`` of the
+    next, both reading the gradient of a convolution output kept as a
+    checkpoint), and the fused op would then wait for copies that wait for
+    it: TensorFlow reports "N nodes in a cycle" and the step fails.  Such an
+    op only reads a gradient that stays alive for this segment anyway.
+    """
+    shared = {t.ref() for t in incoming}
+    return [op for op in previous_results if not any(t.ref() in shared for t in op.inputs)]
 
 
 def _reached_by_tf_gradients(xs, region) -> set:

@@ -275,14 +275,24 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardR
     return ForwardRegion(frozenset(region), tuple(sorted(region, key=op_order)))
 
 
+def has_unknown_size(tensor: tf.Tensor) -> bool:
+    """Whether a tensor's size depends on dimensions unknown before it runs.
+
+    Resources and variants have no size here; an unknown rank counts only
+    on an op's first output (side outputs such as a batch norm's reserve
+    space have unknown rank even when every dimension of the model is known).
+    """
+    if tensor.dtype in (tf.resource, tf.variant):
+        return False
+    if tensor.shape.rank is None:
+        return tensor.value_index == 0
+    return not tensor.shape.is_fully_defined()
+
+
 def has_unknown_dims(region: ForwardRegion) -> str:
     """A short description of the region's tensors with unknown dimensions
     (e.g. ``"12 tensors, e.g. dense/MatMul:0 (None, 64)"``), or ``""``."""
-    unknown = [
-        t for op in region.order for t in op.outputs
-        if t.dtype not in (tf.resource, tf.variant)
-        and (t.shape.rank is None or not t.shape.is_fully_defined())
-    ]
+    unknown = [t for op in region.order for t in op.outputs if has_unknown_size(t)]
     if not unknown:
         return ""
     return f"{len(unknown)} tensors, e.g. {unknown[0].name} {unknown[0].shape}"
