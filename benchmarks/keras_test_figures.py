@@ -18,7 +18,6 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import memory_saving_gradients as msg  # noqa: E402
@@ -67,17 +66,9 @@ def main() -> None:
     plain, ours = (tfk_tests._fit_v1_graph(p)[1] / MIB for p in (False, True))
     print(f"tf_keras v1 graph, legacy SGD, conv-ReLU: last step peak MiB {plain:.1f} -> {ours:.1f}")
 
-    model, with_tape, with_ours = hub_tests._mobilenet_step_functions()
-    rng = np.random.default_rng(0)
-    x = tf.constant(rng.standard_normal((32, 64, 64, 3)).astype("float32"))
-    y = tf.constant(rng.integers(0, 10, 32).astype("int32"))
-    with_tape(x, y), with_ours(x, y)
-    with suite.AllocatorPeak() as tape_peak:
-        with_tape(x, y)
-    with suite.AllocatorPeak() as our_peak:
-        with_ours(x, y)
-    print(f"MobileNetV2 64 px batch 32: allocator peak MiB tape {tape_peak.grown / MIB:.1f}, "
-          f"gradients() {our_peak.grown / MIB:.1f}")
+    _, _, _, tape_peak, our_peak = hub_tests.mobilenet_step()
+    print(f"MobileNetV2 64 px batch 32: allocator peak MiB tape {tape_peak / MIB:.1f}, "
+          f"gradients() {our_peak / MIB:.1f}")
 
     tf_keras = suite.import_tf_keras()
     for name, bn, drop in (("conv-BN-ReLU", True, False), ("conv-ReLU-dropout", False, True),

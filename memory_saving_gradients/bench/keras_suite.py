@@ -284,31 +284,18 @@ class PeakRSS:
         return False
 
 
-class AllocatorPeak:
-    """Peak bytes of TensorFlow's CPU allocator in the ``with`` block, beyond the bytes
-    in use at its start (``.grown``); ``None`` where the allocator keeps no statistics."""
+def allocator_peak(run: Callable[[], object]) -> Optional[int]:
+    """Peak bytes TensorFlow's allocator held while ``run()`` ran beyond what it held
+    before (:func:`memory_saving_gradients.profiling.peak_memory_during`), or None where
+    the allocator keeps no statistics (``run()`` still runs).  On CPU only buffers of
+    256 KiB and more are counted (oneDNN's allocator)."""
+    from .. import profiling
 
-    def __init__(self, device: str = "CPU:0"):
-        self.device = device
-
-    def __enter__(self):
-        import tensorflow as tf
-
-        self.grown = None
-        try:
-            self.before = tf.config.experimental.get_memory_info(self.device)["current"]
-            tf.config.experimental.reset_memory_stats(self.device)
-            self._ok = True
-        except (ValueError, RuntimeError):  # allocator without statistics
-            self._ok = False
-        return self
-
-    def __exit__(self, *exc):
-        import tensorflow as tf
-
-        if self._ok:
-            self.grown = tf.config.experimental.get_memory_info(self.device)["peak"] - self.before
-        return False
+    try:
+        return profiling.peak_memory_during(run)
+    except RuntimeError:
+        run()
+        return None
 
 
 def _batch_recorder(kmod, losses: List[float], seconds: List[float]):
@@ -353,12 +340,11 @@ def fit_and_measure(kmod, model, dataset_or_xy, warm_steps: int, steps: int,
 
     with PeakRSS() as rss:
         fit(0, warm_steps)
-        with AllocatorPeak() as alloc:
-            cpu = time.process_time()
-            fit(1, steps)
-            cpu = (time.process_time() - cpu) / steps
+        cpu = time.process_time()
+        alloc = allocator_peak(lambda: fit(1, steps))
+        cpu = (time.process_time() - cpu) / steps
     return {"losses": losses, "fit_rss_mb": rss.grown / MIB,
-            "alloc_peak_mb": None if alloc.grown is None else alloc.grown / MIB,
+            "alloc_peak_mb": None if alloc is None else alloc / MIB,
             "step_s": _median(seconds[warm_steps:]), "cpu_s": cpu}
 
 
@@ -447,15 +433,18 @@ def _run_custom_loop(size, patch_ctx, remat_ctx) -> Dict[str, object]:
             for i in range(warm):
                 losses.append(float(step(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])))
             seconds = []
-            with AllocatorPeak() as alloc:
-                cpu = time.process_time()
+
+            def timed_steps():
                 for i in range(warm, warm + steps):
                     start = time.perf_counter()
                     losses.append(float(step(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])))
                     seconds.append(time.perf_counter() - start)
-                cpu = (time.process_time() - cpu) / steps
+
+            cpu = time.process_time()
+            alloc = allocator_peak(timed_steps)
+            cpu = (time.process_time() - cpu) / steps
     return {"losses": losses, "fit_rss_mb": rss.grown / MIB,
-            "alloc_peak_mb": None if alloc.grown is None else alloc.grown / MIB,
+            "alloc_peak_mb": None if alloc is None else alloc / MIB,
             "step_s": _median(seconds), "cpu_s": cpu}
 
 
