@@ -630,6 +630,7 @@ def plot(rows: List[Row], path: str) -> Optional[str]:
                     ax.text(xpos, 0, "x", ha="center", va="bottom", color=f"C{j}", fontsize=9)
                     continue
                 ax.bar(xpos, value, width, color=f"C{j}", label=v)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # room for the legend above the bars
         ax.set_xticks(range(len(cases)))
         ax.set_xticklabels(cases, rotation=20)
         ax.set_title(title)
