@@ -32,7 +32,7 @@ case " $* " in
         # the Keras suite needs tf_keras and keras-hub: installed without their dependencies,
         # which would pull the full tensorflow wheel over tensorflow-cpu (see run_all_tests.sh)
         if ! "$PY" -c "import tf_keras, keras_hub" >/dev/null 2>&1; then
-            tf_minor="$("$PY" -c "import tensorflow as tf; print('.'.join(tf.__version__.split('.')[:2]))" | tail -n 1)"
+            tf_minor="$("$PY" -c "import tensorflow as tf; print('.'.join(tf.__version__.split('.')[:2]))" 2>/dev/null | tail -n 1)"
             echo "Installing tf-keras==$tf_minor.* and keras-hub==0.32.0 (--no-deps) and the keras extra ..."
             "$PY" -m pip install -q -e ".[keras]"
             "$PY" -m pip install -q --no-deps "tf-keras==$tf_minor.*" "keras-hub==0.32.0"
