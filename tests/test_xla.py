@@ -181,6 +181,16 @@ def test_xs_may_be_captured_eager_tensors():
             assert np.max(np.abs(a - b)) <= 1e-4 * float(np.max(np.abs(b)))
 
 
+def test_temp_bytes_of_report_reads_both_formats():
+    from memory_saving_gradients.bench.xla import temp_bytes_of_report
+
+    text = ("allocation 3: size 1.62MiB, preallocated-temp:\n"
+            "allocation 0: size 128.0KiB, parameter 0, shape |f32[256,128]|:\n")
+    assert temp_bytes_of_report(text) == int(round(1.62 * 2**20))
+    assert temp_bytes_of_report("allocation 7: size 1048576, preallocated-temp:\n") == 1048576
+    assert temp_bytes_of_report("allocation 0: size 64.0KiB, maybe-live-out:\n") == 0
+
+
 # --------------------------------------------------- XLA's own memory (child processes)
 
 
@@ -280,6 +290,7 @@ def test_keras_fit_with_jit_compile(xla_memory):
 
 
 def _child_jit() -> dict:
+    from memory_saving_gradients.bench import core as bench_core
     from memory_saving_gradients.bench import xla as bench_xla
     import test_models
 
@@ -309,9 +320,9 @@ def _child_jit() -> dict:
         ("transformer", dict(layers=4, d_model=64, heads=4, seq_len=64, batch=8, vocab=256)),
         ("resnet", dict(depth=14, batch=8, width=8)),
     ):
+        spec = bench_core.spec_from_module(test_models.MODELS[name], name=name, **size)
         rows = bench_xla.measure_xla(
-            test_models.MODELS[name], size, ("tf.gradients", "collection", "memory"),
-            dump=dump, steps=0,
+            spec, ("tf.gradients", "collection", "memory"), dump=dump, steps=0
         )
         out[name] = {
             {"tf.gradients": "plain", "collection": "list"}.get(r.variant, r.variant): {

@@ -95,19 +95,23 @@ class XlaResult:
     baseline_predicted_bytes: Optional[int] = None
 
 
-def gradient_step(module, params, variant: str, jit_compile: bool = True):
-    """A ``tf.function`` returning the gradients of ``module.forward``'s loss by ``variant``."""
+def gradient_step(functional, params, variant: str, jit_compile: bool = True):
+    """A ``tf.function`` returning the gradients of the model's loss, computed by ``variant``.
+
+    ``functional`` is a :class:`~memory_saving_gradients.bench.core.Functional`
+    (``forward(params, *inputs, unit_wrapper=None) -> (loss, units)``).
+    """
     import memory_saving_gradients as msg
 
-    trainable = list(params.trainable)
+    trainable = _trainable(params)
 
     @tf.function(jit_compile=jit_compile, autograph=False)
     def step(*inputs):
         if variant == "recompute_grad":
             with tf.GradientTape() as tape:
-                loss, _ = module.forward(params, *inputs, unit_wrapper=tf.recompute_grad)
+                loss, _ = functional.forward(params, *inputs, unit_wrapper=tf.recompute_grad)
             return tape.gradient(loss, trainable)
-        loss, units = module.forward(params, *inputs)
+        loss, units = functional.forward(params, *inputs)
         if variant == "tf.gradients":
             return tf_gradients(loss, trainable)
         if variant == "collection":
@@ -117,19 +121,19 @@ def gradient_step(module, params, variant: str, jit_compile: bool = True):
     return step
 
 
-def planned_peaks(module, params, inputs, strategy: str = "memory") -> tuple:
+def planned_peaks(functional, params, inputs, strategy: str = "memory") -> tuple:
     """``plan()``'s predicted peak and plain baseline for the step, traced for XLA."""
     import memory_saving_gradients as msg
 
-    trainable = list(params.trainable)
+    trainable = _trainable(params)
     box = {}
 
     @tf.function(jit_compile=True, autograph=False)
     def trace(*xs):
-        loss, units = module.forward(params, *xs)
-        plan = msg.plan(loss, trainable, checkpoints=list(units) if strategy == "collection"
-                        else strategy)
-        box["plan"] = plan
+        loss, units = functional.forward(params, *xs)
+        box["plan"] = msg.plan(
+            loss, trainable, checkpoints=list(units) if strategy == "collection" else strategy
+        )
         return loss
 
     trace.get_concrete_function(*inputs)
@@ -138,50 +142,58 @@ def planned_peaks(module, params, inputs, strategy: str = "memory") -> tuple:
 
 
 def measure_xla(
-    module,
-    size: dict,
+    spec,
     variants: Sequence[str] = XLA_VARIANTS,
     dump: Optional[XlaDump] = None,
     steps: int = 5,
-    seed: int = 0,
-    name: Optional[str] = None,
 ) -> list:
-    """:class:`XlaResult` s of one model (a ``test_models`` module) at one size."""
+    """:class:`XlaResult` s of one model (a ``bench.core.ModelSpec`` with a ``functional``).
+
+    Each variant's step is compiled once (its XLA memory report read), then
+    timed over ``steps`` calls (median); gradients are compared with
+    ``tf.gradients`` without XLA and with plain ``tf.gradients`` under XLA.
+    """
     dump = dump or XlaDump()
-    params = module.make_params(seed=seed, **size)
-    inputs = [tf.constant(v) for v in module.make_inputs(seed=seed, **size)]
-    reference = _values(gradient_step(module, params, "tf.gradients", False)(*inputs))
+    functional = spec.functional
+    params = functional.make_params()
+    inputs = [tf.constant(v) for v in functional.inputs]
+    reference = _values(gradient_step(functional, params, "tf.gradients", False)(*inputs))
     results = []
     xla_plain = None
     for variant in variants:
-        step = gradient_step(module, params, variant)
+        step = gradient_step(functional, params, variant)
         dump.new_temp_bytes()
         grads = _values(step(*inputs))
         temps = dump.new_temp_bytes()
         if not temps:
-            raise RuntimeError(f"XLA wrote no memory report for {variant}; is XLA_FLAGS set late?")
+            raise RuntimeError(
+                f"XLA wrote no memory report for {variant}: create XlaDump before the "
+                "process compiles anything with XLA."
+            )
         times = []
         for _ in range(max(steps, 0)):
             start = time.perf_counter()
-            out = step(*inputs)
-            _values(out)
+            _values(step(*inputs))
             times.append(time.perf_counter() - start)
-        error = _max_rel_error(grads, reference)
         if variant == "tf.gradients":
             xla_plain = grads
         predicted = baseline = None
         if variant in ("memory", "collection"):
-            predicted, baseline = planned_peaks(module, params, inputs, variant)
+            predicted, baseline = planned_peaks(functional, params, inputs, variant)
         results.append(XlaResult(
-            model=name or module.__name__.rsplit(".", 1)[-1], size=dict(size), variant=variant,
-            temp_bytes=temps[0], step_seconds=statistics.median(times) if times else float("nan"),
-            max_rel_error=error,
+            model=spec.name, size=dict(spec.size), variant=variant, temp_bytes=temps[0],
+            step_seconds=statistics.median(times) if times else float("nan"),
+            max_rel_error=_max_rel_error(grads, reference),
             max_rel_error_vs_xla=None if xla_plain is None else _max_rel_error(grads, xla_plain),
             predicted_peak_bytes=predicted, baseline_predicted_bytes=baseline,
         ))
-        logger.info("xla %s %s: temp %d B, %.4f s", results[-1].model, variant, temps[0],
+        logger.info("xla %s %s: temp %d B, %.4f s", spec.name, variant, temps[0],
                     results[-1].step_seconds)
     return results
+
+
+def _trainable(params) -> list:
+    return list(getattr(params, "trainable", params))
 
 
 def _values(gradients) -> list:
@@ -196,3 +208,146 @@ def _max_rel_error(values, reference) -> float:
          for a, b in zip(values, reference) if b.size),
         default=0.0,
     )
+
+
+# ------------------------------------------------------------------ report
+
+
+def _by_model(results) -> dict:
+    """``{(model, size label): {variant: XlaResult}}`` in measuring order."""
+    groups: dict = {}
+    for r in results:
+        label = " ".join(f"{k}={v}" for k, v in r.size.items())
+        groups.setdefault((r.model, label), {})[r.variant] = r
+    return groups
+
+
+def table_rows(results) -> list:
+    """One dict per result, with ratios against plain ``tf.gradients`` under XLA."""
+    rows = []
+    for (model, label), variants in _by_model(results).items():
+        plain = variants.get("tf.gradients")
+        for variant, r in variants.items():
+            rows.append({
+                "model": model, "size": label, "variant": variant,
+                "xla_temp_mb": r.temp_bytes / 2**20,
+                "temp_ratio": r.temp_bytes / plain.temp_bytes if plain and plain.temp_bytes else None,
+                "step_ms": r.step_seconds * 1e3,
+                "time_ratio": (r.step_seconds / plain.step_seconds
+                               if plain and plain.step_seconds > 0 else None),
+                "predicted_mb": (None if r.predicted_peak_bytes is None
+                                 else r.predicted_peak_bytes / 2**20),
+                "predicted_over_xla": (None if r.predicted_peak_bytes is None
+                                       else r.predicted_peak_bytes / max(r.temp_bytes, 1)),
+                "max_rel_error": r.max_rel_error,
+                "max_rel_error_vs_xla": r.max_rel_error_vs_xla,
+            })
+    return rows
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    return format(value, fmt)
+
+
+def markdown_table(results) -> str:
+    """XLA temp and step time per model and variant, ratios against plain under XLA."""
+    lines = [
+        "| model | size | variant | XLA temp MB | vs plain | step ms | time vs plain "
+        "| plan() MB | plan / XLA | grad err vs tf.gradients (no XLA / XLA) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in table_rows(results):
+        lines.append(
+            f"| {row['model']} | {row['size']} | {row['variant']} | {row['xla_temp_mb']:.2f} "
+            f"| {_cell(row['temp_ratio'], '.3f')} | {_cell(row['step_ms'], '.1f')} "
+            f"| {_cell(row['time_ratio'], '.2f')} | {_cell(row['predicted_mb'], '.2f')} "
+            f"| {_cell(row['predicted_over_xla'], '.2f')} "
+            f"| {_cell(row['max_rel_error'], '.1e')} / {_cell(row['max_rel_error_vs_xla'], '.1e')} |"
+        )
+    return "\n".join(lines)
+
+
+def write_csv(results, path: str) -> None:
+    import csv
+
+    rows = table_rows(results)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["model"])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+
+
+def plot(results, path: str) -> Optional[str]:
+    """Grouped bars: XLA temp of each variant as a fraction of plain, per model."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in table_rows(results) if r["temp_ratio"] is not None]
+    if not rows:
+        return None
+    groups = list(dict.fromkeys(f"{r['model']}\n{r['size']}" for r in rows))
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.8 * len(groups) + 2), 4.8))
+    for i, variant in enumerate(variants):
+        xs, ys, labels = [], [], []
+        for j, group in enumerate(groups):
+            match = [r for r in rows if f"{r['model']}\n{r['size']}" == group
+                     and r["variant"] == variant]
+            if match:
+                xs.append(j + (i - (len(variants) - 1) / 2) * width)
+                ys.append(match[0]["temp_ratio"])
+                labels.append(match[0]["time_ratio"])
+        bars = ax.bar(xs, ys, width, label=variant)
+        for bar, t in zip(bars, labels):
+            if t is not None:
+                ax.annotate(f"{t:.2f}x t", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([g.replace(" ", "\n", 2) for g in groups], fontsize=7)
+    ax.set_ylabel("XLA temp bytes / plain tf.gradients under XLA")
+    ax.set_title("tf.function(jit_compile=True): XLA temp memory (labels: step time ratio)")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(out_dir: str, results, header: str = "") -> dict:
+    """xla.csv, xla.md and xla_temp.png in ``out_dir``; returns ``{kind: path}``."""
+    os.makedirs(out_dir, exist_ok=True)
+    written = {}
+    path = os.path.join(out_dir, "xla.csv")
+    write_csv(results, path)
+    written["xla_csv"] = path
+    png = plot(results, os.path.join(out_dir, "xla_temp.png"))
+    if png:
+        written["xla_png"] = png
+    md = [header] if header else []
+    md += ["## XLA: temp memory and step time under tf.function(jit_compile=True)", "",
+           DESCRIPTION, "", markdown_table(results), ""]
+    if png:
+        md.append(f"![XLA temp]({os.path.basename(png)})")
+    path = os.path.join(out_dir, "xla.md")
+    with open(path, "w") as f:
+        f.write("\n".join(md).rstrip() + "\n")
+    written["xla_md"] = path
+    return written
+
+
+DESCRIPTION = (
+    "XLA temp: the preallocated temp buffer of XLA's buffer assignment for the compiled "
+    "gradient step (from the --xla_dump_to memory-usage report; parameters and the "
+    "gradients it returns are not in it). Step time: median of untraced calls after "
+    "compiling, ratio against plain tf.gradients under XLA in the same run. plan() MB: "
+    "memory_saving_gradients.plan()'s predicted peak for the same checkpoints."
+)
