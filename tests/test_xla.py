@@ -246,18 +246,16 @@ def test_gradients_under_xla_equal_tf_gradients(xla_memory, model, mode):
     assert result[mode]["error"] <= max(2 * result["plain"]["error"], 1e-4), result
 
 
-#: How far plan().predicted_peak_bytes may be from XLA's temp with 'memory' (docs/xla.md):
-#: within 25% where XLA's buffers are the model's tensors; the tanh MLP is overestimated
-#: (measured 1.58x): XLA fuses each tanh with its gradient's elementwise ops, so buffers
-#: the op-by-op model counts never exist.
-PLANNER_BOUNDS = {"mlp": (0.75, 1.75), "transformer": (0.75, 1.25), "resnet": (0.75, 1.25)}
-
-
 @pytest.mark.parametrize("model", MODELS)
-def test_planner_prediction_near_xla_temp(xla_memory, model):
-    result = xla_memory["jit"][model]["memory"]
-    low, high = PLANNER_BOUNDS[model]
-    assert low <= result["predicted"] / result["temp"] <= high, result
+@pytest.mark.parametrize("mode", ["list", "memory"])
+def test_planner_prediction_near_xla_memory(xla_memory, model, mode):
+    """plan().predicted_peak_bytes against XLA's temp plus the computation's outputs (the
+    gradients, which plan() counts and XLA's temp leaves out). Measured 0.68-0.97x here:
+    the op-by-op model underestimates what XLA's buffer assignment keeps by up to a third
+    (docs/xla.md); against temp alone it is 0.88-1.58x."""
+    result = xla_memory["jit"][model][mode]
+    ratio = result["predicted"] / (result["temp"] + result["out"])
+    assert 0.6 <= ratio <= 1.1, result
 
 
 def test_v1_xla_compile_is_detected_and_saves(xla_memory):
@@ -302,19 +300,22 @@ def _child_jit() -> dict:
     x = tf.constant(x_value)
     out["mlp"] = {}
     for mode in ("plain", "list", "memory"):
-        dump.new_temp_bytes()
+        dump.new_reports()
         _function(mode, True, ws)(x)
-        out["mlp"][mode] = {"temp": dump.new_temp_bytes()[0]}
+        temp, outputs = dump.new_reports()[0]
+        out["mlp"][mode] = {"temp": temp, "out": outputs}
     box = {}
 
     @tf.function(jit_compile=True, autograph=False)
     def trace(v):
-        loss, _ = _forward(v, ws)
-        box["plan"] = msg.plan(loss, ws, checkpoints="memory")
+        loss, units = _forward(v, ws)
+        box["memory"] = msg.plan(loss, ws, checkpoints="memory")
+        box["list"] = msg.plan(loss, ws, checkpoints=units[2::3])
         return loss
 
     trace.get_concrete_function(x)
-    out["mlp"]["memory"]["predicted"] = box["plan"].predicted_peak_bytes
+    for mode in ("list", "memory"):
+        out["mlp"][mode]["predicted"] = box[mode].predicted_peak_bytes
     # A transformer (GPT-2 blocks) and a conv net with batch norm in training mode.
     for name, size in (
         ("transformer", dict(layers=4, d_model=64, heads=4, seq_len=64, batch=8, vocab=256)),
@@ -326,7 +327,7 @@ def _child_jit() -> dict:
         )
         out[name] = {
             {"tf.gradients": "plain", "collection": "list"}.get(r.variant, r.variant): {
-                "temp": r.temp_bytes, "error": r.max_rel_error,
+                "temp": r.temp_bytes, "out": r.output_bytes, "error": r.max_rel_error,
                 "error_vs_xla": r.max_rel_error_vs_xla, "predicted": r.predicted_peak_bytes,
             }
             for r in rows
