@@ -228,7 +228,7 @@ def _xla_main(args, argv, specs, dump, steps, started, load_before, tf) -> int:
     print(xla_lib.markdown_table(results))
     print()
     print(f"Wall time {wall:.0f} s. Written: " + ", ".join(sorted(written.values())))
-    bad = [r for r in results if r.max_rel_error_vs_xla is not None and r.max_rel_error_vs_xla > 1e-3]
+    bad = xla_lib.differing(results)
     if bad:
         print("GRADIENTS DIFFER for: " + ", ".join(f"{r.model} {r.variant}" for r in bad))
         return 1
