@@ -170,7 +170,7 @@ def measure_xla(
     """:class:`XlaResult` s of one model (a ``bench.core.ModelSpec`` with a ``functional``).
 
     Each variant's step is compiled once (its XLA memory report read), then
-    timed over ``steps`` calls (median); gradients are compared with
+    all are timed in ``steps`` rounds of one call each (median); gradients are compared with
     ``tf.gradients`` without XLA and with plain ``tf.gradients`` under XLA.
     """
     dump = dump or XlaDump()
@@ -178,8 +178,7 @@ def measure_xla(
     params = functional.make_params()
     inputs = [tf.constant(v) for v in functional.inputs]
     reference = _values(gradient_step(functional, params, "tf.gradients", False)(*inputs))
-    results = []
-    xla_plain = None
+    compiled = []
     for variant in variants:
         step = gradient_step(functional, params, variant)
         dump.new_reports()
@@ -190,25 +189,30 @@ def measure_xla(
                 f"XLA wrote no memory report for {variant}: create XlaDump before the "
                 "process compiles anything with XLA."
             )
-        times = []
-        for _ in range(max(steps, 0)):
+        compiled.append((variant, step, grads, reports[0]))
+    # Timed in rounds, one call of each variant per round, so that a change in the
+    # machine's load hits every variant alike.
+    times: dict = {variant: [] for variant in variants}
+    for _ in range(max(steps, 0)):
+        for variant, step, _, _ in compiled:
             start = time.perf_counter()
             _values(step(*inputs))
-            times.append(time.perf_counter() - start)
-        if variant == "tf.gradients":
-            xla_plain = grads
+            times[variant].append(time.perf_counter() - start)
+    xla_plain = next((g for v, _, g, _ in compiled if v == "tf.gradients"), None)
+    results = []
+    for variant, _, grads, (temp, outputs) in compiled:
         predicted = baseline = None
         if variant in ("memory", "collection"):
             predicted, baseline = planned_peaks(functional, params, inputs, variant)
         results.append(XlaResult(
-            model=spec.name, size=dict(spec.size), variant=variant, temp_bytes=reports[0][0],
-            output_bytes=reports[0][1],
-            step_seconds=statistics.median(times) if times else float("nan"),
+            model=spec.name, size=dict(spec.size), variant=variant, temp_bytes=temp,
+            output_bytes=outputs,
+            step_seconds=statistics.median(times[variant]) if times[variant] else float("nan"),
             max_rel_error=_max_rel_error(grads, reference),
             max_rel_error_vs_xla=None if xla_plain is None else _max_rel_error(grads, xla_plain),
             predicted_peak_bytes=predicted, baseline_predicted_bytes=baseline,
         ))
-        logger.info("xla %s %s: temp %d B, %.4f s", spec.name, variant, reports[0][0],
+        logger.info("xla %s %s: temp %d B, %.4f s", spec.name, variant, temp,
                     results[-1].step_seconds)
     return results
 
