@@ -281,6 +281,10 @@ def table_rows(results) -> list:
                                  else r.predicted_peak_bytes / 2**20),
                 "predicted_over_xla": (None if r.predicted_peak_bytes is None
                                        else r.predicted_peak_bytes / max(r.temp_bytes, 1)),
+                "xla_outputs_mb": r.output_bytes / 2**20,
+                "predicted_over_xla_with_outputs": (
+                    None if r.predicted_peak_bytes is None
+                    else r.predicted_peak_bytes / max(r.temp_bytes + r.output_bytes, 1)),
                 "max_rel_error": r.max_rel_error,
                 "max_rel_error_vs_xla": r.max_rel_error_vs_xla,
             })
@@ -367,9 +371,15 @@ def plot(results, path: str) -> Optional[str]:
 
 
 def write_outputs(out_dir: str, results, header: str = "") -> dict:
-    """xla.csv, xla.md and xla_temp.png in ``out_dir``; returns ``{kind: path}``."""
+    """xla.json, xla.csv, xla.md and xla_temp.png in ``out_dir``; returns ``{kind: path}``."""
+    import json
+
     os.makedirs(out_dir, exist_ok=True)
     written = {}
+    path = os.path.join(out_dir, "xla.json")  # raw results first: the rest is derived
+    with open(path, "w") as f:
+        json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
+    written["xla_json"] = path
     path = os.path.join(out_dir, "xla.csv")
     write_csv(results, path)
     written["xla_csv"] = path
