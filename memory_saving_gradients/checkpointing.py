@@ -259,7 +259,7 @@ def _backprop(
     previous_results: list = []
     # XLA drops control inputs: there, recomputed inputs also depend on the
     # incoming gradient through data (see rewrite.proxies).
-    for_xla = graph_lib.builds_for_xla(ys[0].graph) or graph_lib.marked_for_xla(region.order)
+    for_xla = graph_lib.builds_for_xla(ys[0].graph)
     for index, op in enumerate(groups):
         members = constructs.get(op, (op,))
         targets = [

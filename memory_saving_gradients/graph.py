@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Iterable, Sequence
 
 from ._tensorflow import tf
@@ -58,26 +59,10 @@ def builds_for_xla(graph: tf.Graph) -> bool:
 
     if _control_flow_util.GraphOrParentsInXlaContext(graph):
         return True
-    import os
-
     flags, jit = os.environ.get("TF_XLA_FLAGS", ""), tf.config.optimizer.get_jit()
     if "tf_xla_auto_jit" not in flags and jit != "autoclustering":
         return False
     return auto_clustering_requested(flags, jit, bool(tf.config.list_physical_devices("GPU")))
-
-
-def marked_for_xla(ops: Iterable[tf.Operation]) -> bool:
-    """Whether any of ``ops`` carries ``_XlaCompile=True`` (``tf.xla.experimental.jit_scope``).
-
-    Copies keep their original's attributes, so they join its XLA cluster.
-    """
-    for op in ops:
-        try:
-            if op.get_attr("_XlaCompile"):
-                return True
-        except ValueError:
-            continue
-    return False
 
 
 def auto_clustering_requested(tf_xla_flags: str, jit_setting: str, gpu_visible: bool) -> bool:
