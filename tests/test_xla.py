@@ -123,6 +123,48 @@ def test_data_dependency_only_when_built_for_xla(setup):
     assert "Identity" not in inside, inside
 
 
+@pytest.mark.parametrize("grad_dtype, grad_shape", [
+    (tf.float32, [3, 2]), (tf.float16, [4]), (tf.bfloat16, [2]), (tf.complex64, [2]),
+    (tf.float64, [0]),  # an empty gradient: its element reads as -inf
+])
+def test_proxies_for_xla_keep_every_dtype_exact(grad_dtype, grad_shape):
+    """Proxies built for XLA equal their inputs (float, complex, NaN, inf; -0.0 may become 0.0);
+    ints, bools and resources keep a plain identity; XLA compiles them all."""
+    from memory_saving_gradients import rewrite
+
+    v = tf.Variable([1.0, 2.0])
+    values = {
+        "f32": ([1.5, -2.0, np.nan, np.inf], tf.float32),
+        "f16": ([0.1, -0.0], tf.float16),
+        "bf16": ([3.0, 7.0], tf.bfloat16),
+        "f64": ([1e-300, -1e300], tf.float64),
+        "c64": ([1 + 2j, -3j], tf.complex64),
+        "i32": ([1, -7], tf.int32),
+        "bool": ([True, False], tf.bool),
+    }
+    grad_value = tf.cast(tf.fill(grad_shape, np.nan), grad_dtype) if grad_shape != [0] \
+        else tf.zeros([0], grad_dtype)
+    kinds = {}
+
+    @tf.function(jit_compile=True, autograph=False)
+    def run(g, *inputs):
+        handle = tf.compat.v1.get_default_graph().capture(v.handle)
+        tensors = list(inputs) + [handle]
+        made = rewrite.proxies(tensors, "proxies", data_after=[g])
+        kinds.update({name: made[t.ref()].op.type
+                      for name, t in zip(list(values) + ["resource"], tensors)})
+        return [made[t.ref()] for t in tensors[:-1]]
+
+    expected_values = [tf.constant(x, dtype) for x, dtype in values.values()]
+    out = run(grad_value, *expected_values)
+    for name, expected, got in zip(values, expected_values, out):
+        assert got.dtype == expected.dtype, name
+        np.testing.assert_array_equal(got.numpy(), expected.numpy(), err_msg=name)
+    assert {k: kinds[k] for k in ("i32", "bool", "resource")} == dict.fromkeys(
+        ("i32", "bool", "resource"), "Identity")
+    assert all(kinds[k] == "AddV2" for k in ("f32", "f16", "bf16", "f64", "c64")), kinds
+
+
 def test_xla_detection_is_false_outside_xla(graph):
     from memory_saving_gradients import graph as graph_lib
 
