@@ -165,7 +165,9 @@ def test_proxies_for_xla_keep_every_dtype_exact(grad_dtype, grad_shape):
     assert all(kinds[k] == "AddV2" for k in ("f32", "f16", "bf16", "f64", "c64")), kinds
 
 
-def test_xla_detection_is_false_outside_xla(graph):
+def test_builds_for_xla_at_trace_time(graph):
+    """True in a jit_compile function and functions nested in it; False in a v1 graph and
+    a plain tf.function (no auto-clustering flags in this process)."""
     from memory_saving_gradients import graph as graph_lib
 
     assert not graph_lib.builds_for_xla(graph)
@@ -187,8 +189,6 @@ def test_xla_detection_is_false_outside_xla(graph):
         seen["plain"] = graph_lib.builds_for_xla(tf.compat.v1.get_default_graph())
         return v * 2
 
-    with tf.Graph().as_default():
-        pass
     outer.get_concrete_function(tf.TensorSpec([2]))
     plain.get_concrete_function(tf.TensorSpec([2]))
     assert seen == {"outer": True, "nested": True, "plain": False}

@@ -204,7 +204,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _xla_results(args, specs, dump, steps) -> list:
     from . import xla as xla_lib
 
+    import memory_saving_gradients as msg
+
     variants = _csv(args.xla_variants) if args.xla_variants else list(xla_lib.XLA_VARIANTS)
+    unknown = [v for v in variants
+               if v not in xla_lib.XLA_VARIANTS and v not in msg.available_strategies()]
+    if unknown:
+        raise SystemExit(f"unknown --xla-variants {unknown}; known: "
+                         f"{', '.join(xla_lib.XLA_VARIANTS)} or a strategy name")
     print(f"XLA: {len(specs)} model sizes x {len(variants)} variants under jit_compile ...",
           flush=True)
     results = []
