@@ -40,6 +40,15 @@ def op_order(op: tf.Operation) -> int:
     return op._id  # pylint: disable=protected-access
 
 
+def last_op_id(graph: tf.Graph) -> int:
+    """Creation id of the newest op of ``graph`` (0 for an empty graph), in O(1)."""
+    nodes = getattr(graph, "_nodes_by_id", None)  # pylint: disable=protected-access
+    if isinstance(nodes, dict):
+        return next(reversed(nodes), 0)
+    ops = graph.get_operations()
+    return op_order(ops[-1]) if ops else 0
+
+
 def tensor_order(tensor: tf.Tensor) -> tuple:
     """Deterministic sort key of a tensor: producer's creation id, output index."""
     return (op_order(tensor.op), tensor.value_index)
@@ -305,6 +314,29 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardR
         region.add(op)
         stack.extend(t.op for t in op.inputs if t.op in reached_from_xs)
     return ForwardRegion(frozenset(region), tuple(sorted(region, key=op_order)))
+
+
+def has_unknown_size(tensor: tf.Tensor) -> bool:
+    """Whether a tensor's size depends on dimensions unknown before it runs.
+
+    Resources and variants have no size here; an unknown rank counts only
+    on an op's first output (side outputs such as a batch norm's reserve
+    space have unknown rank even when every dimension of the model is known).
+    """
+    if tensor.dtype in (tf.resource, tf.variant):
+        return False
+    if tensor.shape.rank is None:
+        return tensor.value_index == 0
+    return not tensor.shape.is_fully_defined()
+
+
+def has_unknown_dims(region: ForwardRegion) -> str:
+    """A short description of the region's tensors with unknown dimensions
+    (e.g. ``"12 tensors, e.g. dense/MatMul:0 (None, 64)"``), or ``""``."""
+    unknown = [t for op in region.order for t in op.outputs if has_unknown_size(t)]
+    if not unknown:
+        return ""
+    return f"{len(unknown)} tensors, e.g. {unknown[0].name} {unknown[0].shape}"
 
 
 def boundary_tensors(

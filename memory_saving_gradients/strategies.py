@@ -95,6 +95,7 @@ def memory(
     xs: Sequence[tf.Tensor],
     region: ForwardRegion,
     memory_budget: float | None = None,
+    unknown_dim: int = 1,
     **_,
 ) -> list:
     """Bottleneck cuts spaced by bytes, chosen by :mod:`.budget`.
@@ -111,7 +112,7 @@ def memory(
     (bytes): the least recomputation whose predicted peak fits it; ValueError
     if none does.
     """
-    return memory_checkpoints(ys, xs, region, memory_budget)
+    return memory_checkpoints(ys, xs, region, memory_budget, unknown_dim)
 
 
 #: Without a budget, 'memory' weighs one least peak of memory as this many
