@@ -347,6 +347,9 @@ def _backprop(
         key=graph_lib.op_order, reverse=True,
     )
     previous_results: list = []
+    # XLA drops control inputs: there, recomputed inputs also depend on the
+    # incoming gradient through data (see rewrite.proxies).
+    for_xla = graph_lib.builds_for_xla(ys[0].graph)
     for index, op in enumerate(groups):
         members = constructs.get(op, (op,))
         targets = [
@@ -367,7 +370,10 @@ def _backprop(
         )
         if segment.recompute:
             differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
-            inputs = rewrite.proxies(differentiable, f"recompute_{index}/inputs", waits)
+            inputs = rewrite.proxies(
+                differentiable, f"recompute_{index}/inputs", waits,
+                data_after=target_grads if for_xla else (),
+            )
             copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")
             try:
                 input_grads = tf_gradients(

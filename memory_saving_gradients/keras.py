@@ -15,7 +15,9 @@ outputs are kept), and Keras 3 draws dropout masks with a stateless op from a
 kept seed, so a recomputed mask equals the original.
 
 ``run_eagerly=True`` trains normally (a warning is logged once: nothing can be
-rewritten eagerly).
+rewritten eagerly).  With ``jit_compile=True`` the recomputation survives
+XLA: while the step is traced for XLA, recomputed inputs depend on the
+incoming gradient through data (docs/xla.md).
 
 Keras is imported only when this module's functions are called.
 """
