@@ -47,7 +47,8 @@ def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
               max_cuts: int = 300) -> Cuts:
     """The cuts of the region, in one sweep over its ops (linear in ops + edges).
 
-    Consecutive positions with the same live set give one cut; when there are
+    Consecutive positions whose live sets differ only in tensors of no bytes of
+    their own (variable reads, aliases) give one cut; when there are
     more than ``max_cuts``, the cheapest cut of each of ``max_cuts`` equal
     stretches of the order is kept.  ``size(t)`` and ``cost(op)`` give bytes
     and work; outputs of ``alias_types`` ops share their input's buffer and
@@ -111,7 +112,10 @@ def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
         for t in starts.get(i, ()):
             live[t.ref()] = t
             live_bytes += own_bytes[t.ref()]
-        changes_next = (i + 1) in ending or (i + 1) in starts
+        # a change of zero-byte tensors only (variable reads, aliases) makes no new
+        # cut: it would only crowd the real ones out of the max_cuts kept
+        changes_next = any(own_bytes[t.ref()] for t in ending.get(i + 1, ())) or any(
+            own_bytes[t.ref()] for t in starts.get(i + 1, ()))
         if changes_next and live:
             raw.append((i, live_bytes, tuple(live.values())))
     if len(raw) > max_cuts:

@@ -225,7 +225,7 @@ def test_budgets_are_met_and_monotone():
 
 
 def test_strategies_registry():
-    assert {"collection", "speed", "memory"} <= set(msg.available_strategies())
+    assert {"collection", "speed", "memory", "balanced"} <= set(msg.available_strategies())
     with pytest.raises(ValueError, match="Unknown checkpoint strategy"):
         strategies.get("fastest")
 
@@ -271,7 +271,7 @@ def _training_peak(model, checkpoints):
     """Predicted peak as 'memory' judges it: each gradient used as soon as it is made."""
     from memory_saving_gradients import checkpointing, simulate
 
-    problem = checkpointing._prepare(model.loss, model.params)
+    problem = checkpointing._prepare(model.loss, _xs(model))
     if not checkpoints:
         return simulate.predict_baseline(problem.region, problem.ys, problem.xs,
                                          fetched=False).peak_bytes
@@ -279,14 +279,14 @@ def _training_peak(model, checkpoints):
                                          fetched=False).peak_bytes
 
 
-def test_memory_trades_peak_for_recomputation_within_its_slack(monkeypatch):
-    """The default plan recomputes no more than the least-peak plan, and peaks at most
+def test_balanced_trades_peak_for_recomputation_within_its_slack(monkeypatch):
+    """'balanced' recomputes no more than the least-peak plan, and peaks at most
     MEMORY_SLACK above it; weighing memory above everything gives the least peak."""
     with tf.Graph().as_default():
         model = test_models.build("resnet", depth=56, batch=8)
-        default = msg.plan(model.loss, model.params, checkpoints="memory")
+        default = msg.plan(model.loss, model.params, checkpoints="balanced")
         monkeypatch.setattr(strategies, "MEMORY_WEIGHT", 1e6)
-        least = msg.plan(model.loss, model.params, checkpoints="memory")
+        least = msg.plan(model.loss, model.params, checkpoints="balanced")
         default_peak = _training_peak(model, default.checkpoints)
         least_peak = _training_peak(model, least.checkpoints)
         baseline = _training_peak(model, [])
@@ -294,6 +294,32 @@ def test_memory_trades_peak_for_recomputation_within_its_slack(monkeypatch):
     assert default.recompute_cost <= least.recompute_cost
     assert default_peak <= least_peak + min(strategies.MEMORY_SLACK * least_peak,
                                             strategies.SAVING_SLACK * (baseline - least_peak))
+
+
+@pytest.mark.parametrize("name,size", [
+    ("resnet", dict(depth=56, batch=8)),
+    ("resnet", dict(depth=110, batch=32)),
+    ("transformer", dict(layers=4, d_model=128, seq_len=128, batch=8)),
+    ("unet", dict()),
+], ids=["resnet56", "resnet110", "gpt4", "unet"])
+def test_memory_takes_the_least_peak(monkeypatch, name, size):
+    """'memory' predicts within 5% of the least peak the planner finds ('balanced'
+    weighing memory above everything), never above 'balanced', and recomputes no
+    more than that least-peak plan."""
+    with tf.Graph().as_default():
+        model = test_models.build(name, **size)
+        xs = _xs(model)
+        ours = msg.plan(model.loss, xs, checkpoints="memory")
+        trade = msg.plan(model.loss, xs, checkpoints="balanced")
+        monkeypatch.setattr(strategies, "MEMORY_WEIGHT", 1e6)
+        monkeypatch.setattr(strategies, "SCORE_TIE", 0.0)
+        least = msg.plan(model.loss, xs, checkpoints="balanced")
+        ours_peak, trade_peak, least_peak = (
+            _training_peak(model, p.checkpoints) for p in (ours, trade, least))
+    assert ours_peak <= (1 + strategies.LEAST_PEAK_TOLERANCE) * least_peak, (
+        ours_peak / MB, least_peak / MB)
+    assert ours_peak <= trade_peak, (ours_peak / MB, trade_peak / MB)
+    assert ours.recompute_cost <= least.recompute_cost + 1e-9
 
 
 def test_memory_peak_grows_as_sqrt_depth_not_as_depth():
