@@ -216,17 +216,19 @@ def _minimax_peak(problem: CutProblem, quantum: float, levels: int) -> float:
     return float(best[n - 1].min())
 
 
-def refine_floor(problem: CutProblem, estimate: float, steps: int = 3, levels: int = 120,
+def refine_floor(problem: CutProblem, estimate: float, steps: int = 2, levels: int = 120,
                  max_rise: float = 1.5) -> tuple:
     """The least budget :func:`least_recompute` finds feasible, near ``estimate``.
 
     The two programs quantise differently, so ``estimate`` (from
     :func:`smallest_budget`) may be infeasible here: budgets then rise by 4%
     at a time, up to ``max_rise`` times it.  Then ``steps`` bisections below
-    the first feasible budget.  Returns ``(budget, solution)``, the solution
-    None if nothing up to the rise was feasible.
+    the first feasible budget (down to 10% below ``estimate``: the minimax
+    program rounds up, so far lower budgets were never feasible on the
+    benchmark models).  Returns ``(budget, solution)``, the solution None if
+    nothing up to the rise was feasible.
     """
-    upper, lower = estimate, 0.5 * estimate
+    upper, lower = estimate, 0.9 * estimate
     solution = least_recompute(problem, upper, levels)
     while solution is None:
         if upper >= max_rise * estimate:

@@ -71,6 +71,11 @@ def parser() -> argparse.ArgumentParser:
                    help="graph sizes (ops, comma-separated) for the rewrite-time rows of "
                    "memory_saving_gradients.scaling; 'none' to skip (default 2500,10000, about "
                    "a minute; quick: none; issue-sized: 10000,100000, many minutes)")
+    p.add_argument("--frontier", type=int, default=0, metavar="N",
+                   help="also measure N 'memory' runs with memory_budget from the least "
+                   "predicted peak to tf.gradients' (even in ratio), timed with the anchors; "
+                   "writes pareto.png (needs the 'memory' variant; 0: off, the default, "
+                   "as 8 points on the default models take longer than the 15-minute sweep)")
     p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument("--device", default="auto",
                    help="auto (GPU if TensorFlow sees one), cpu, gpu, or a device like /GPU:1")
@@ -122,7 +127,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"Benchmark: {len(specs)} model sizes x {len(runnable)} variants on "
           f"{device or 'the default device (CPU)'}; output in {args.out}/")
     rows = sweep.run_sweep(specs, runnable, steps=steps, budget_fraction=args.budget_fraction,
-                           device=device, progress=not args.no_progress)
+                           device=device, progress=not args.no_progress,
+                           frontier=args.frontier)
 
     fit_results = None
     if args.cap_mb > 0 and "resnet" in _csv(args.models):
