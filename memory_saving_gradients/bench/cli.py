@@ -236,7 +236,16 @@ def _scaling_section(sizes: List[int]) -> Optional[str]:
     rows = scaling.rewrite_times(sizes=sizes, on_row=lambda r: print(
         f"  {r['model']} {r['size_key']}={r['size']}: {r['ops']} ops, tf.gradients "
         f"{r['tf_seconds']:.2f} s, gradients() {r['ours_seconds']:.2f} s", flush=True))
-    return scaling.markdown_table(rows)
+    table = scaling.markdown_table(rows)
+    if hasattr(scaling, "warm_build_ratio"):
+        try:
+            r = scaling.warm_build_ratio()
+        except ImportError:  # no test_models: no ResNet-110 row
+            return table
+        table += (f"\n\nResNet-{r['depth']} batch {r['batch']} ({r['ops']} ops), both warmed up, "
+                  f"best of 2: tf.gradients {r['tf_seconds']:.3f} s, gradients(checkpoints="
+                  f"{r['checkpoints']!r}) {r['ours_seconds']:.3f} s: {r['ratio']:.2f}x.")
+    return table
 
 
 def _load() -> str:
