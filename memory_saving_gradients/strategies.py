@@ -104,7 +104,8 @@ def memory(
     within ``LEAST_PEAK_TOLERANCE`` (5%) of the least one found, and of those
     the one that recomputes least.  With ``memory_budget`` (bytes): the least
     recomputation whose predicted peak fits it; ValueError if none does.  For
-    a trade of memory against recomputation, use ``'balanced'``.
+    a trade of memory against recomputation, use ``'balanced'``.  A budget at or above
+    plain ``tf.gradients``' predicted peak keeps nothing (plain gradients).
     """
     return memory_checkpoints(ys, xs, region, memory_budget, unknown_dim, trade=False)
 
@@ -231,6 +232,9 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
             chosen = min((p for p in candidates if p[0] <= least * (1 + LEAST_PEAK_TOLERANCE)),
                          key=lambda p: (p[1], p[0]))
         return chosen[2] if chosen[0] < baseline else lowest[2]
+    if simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, size).peak_bytes <= \
+            memory_budget:
+        return []  # plain tf.gradients fits: nothing to recompute
     for problem in problems:
         target = float(memory_budget)
         for _ in range(5):

@@ -23,13 +23,14 @@ LEAST_PEAK_SLACK = 0.03
 
 COLUMNS = [
     "model", "size", "batch", "variant", "peak_mb", "peak_ratio", "step_s", "time_ratio",
-    "rewrite_s", "predicted_peak_mb", "grads_equal", "note",
+    "cpu_ratio", "rewrite_s", "predicted_peak_mb", "grads_equal", "note",
 ]
 
 HEADERS = {
     "model": "model", "size": "size", "batch": "batch", "variant": "variant",
     "peak_mb": "peak MB", "peak_ratio": "peak / tf.gradients", "step_s": "step s (median)",
-    "time_ratio": "time / tf.gradients", "rewrite_s": "rewrite s",
+    "time_ratio": "time / tf.gradients", "cpu_ratio": "CPU time / tf.gradients",
+    "rewrite_s": "rewrite s",
     "predicted_peak_mb": "plan() predicted MB", "grads_equal": "grads equal", "note": "note",
 }
 
@@ -61,6 +62,7 @@ def row_dict(row) -> Dict[str, object]:
         "peak_ratio": row.peak_ratio,
         "step_s": res.median_step_seconds,
         "time_ratio": row.time_ratio,
+        "cpu_ratio": getattr(row, "cpu_ratio", None),
         "rewrite_s": res.rewrite_seconds if res.ok else None,
         "predicted_peak_mb": (None if res.predicted_peak_bytes is None
                               else res.predicted_peak_bytes / MB),
@@ -82,7 +84,7 @@ def _fmt(column: str, value) -> str:
         return ""
     if column in ("peak_mb", "predicted_peak_mb"):
         return f"{value:.1f}"
-    if column in ("peak_ratio", "time_ratio"):
+    if column in ("peak_ratio", "time_ratio", "cpu_ratio"):
         return f"{value:.3f}x" if column == "peak_ratio" else f"{value:.2f}x"
     if column in ("step_s", "rewrite_s"):
         return f"{value:.3f}" if value < 10 else f"{value:.1f}"
@@ -293,24 +295,28 @@ def _label(model: str, size: str) -> str:
 def frontier_checks(rows) -> List[Dict[str, object]]:
     """Per model size with a frontier, per anchor: the anchor's measured peak and time
     ratios, and the least time ratio of a frontier point (or 'memory') whose
-    measured peak is at most the anchor's.  ``ok``: not slower than the anchor
-    by more than twice the group's timing noise."""
+    measured peak is at most the anchor's, in CPU time and in wall time.
+    ``ok``: in CPU time, not slower than the anchor by more than twice the
+    group's CPU-time noise (on a shared machine, wall time is far noisier)."""
     checks = []
     for (model, size), group in _groups(rows).items():
         curve = [r for r in group if r.result.variant in (FRONTIER, "memory")
-                 and r.peak_ratio is not None and r.time_ratio is not None]
+                 and r.peak_ratio is not None and r.cpu_ratio is not None]
         if not any(r.result.variant == FRONTIER for r in curve):
             continue
         noise = next((r.noise for r in group if r.noise is not None), None)
+        cpu_noise = next((r.cpu_noise for r in group if r.cpu_noise is not None), None)
         for anchor in group:
-            if anchor.result.variant not in ANCHORS + ("tf.gradients",) or anchor.time_ratio is None:
+            if anchor.result.variant not in ANCHORS + ("tf.gradients",) or anchor.cpu_ratio is None:
                 continue
-            below = [r.time_ratio for r in curve if r.peak_ratio <= anchor.peak_ratio]
-            ours = min(below) if below else None
-            ok = None if ours is None else ours <= anchor.time_ratio * (1 + 2 * (noise or 0))
+            below = [r for r in curve if r.peak_ratio <= anchor.peak_ratio]
+            ours = min((r.cpu_ratio for r in below), default=None)
+            ours_wall = min((r.time_ratio for r in below if r.time_ratio is not None), default=None)
+            ok = None if ours is None else ours <= anchor.cpu_ratio * (1 + 2 * (cpu_noise or 0))
             checks.append(dict(model=_label(model, size), anchor=anchor.result.variant,
-                               peak_ratio=anchor.peak_ratio, time_ratio=anchor.time_ratio,
-                               ours=ours, noise=noise, ok=ok))
+                               peak_ratio=anchor.peak_ratio, cpu_ratio=anchor.cpu_ratio,
+                               ours=ours, cpu_noise=cpu_noise, time_ratio=anchor.time_ratio,
+                               ours_wall=ours_wall, noise=noise, ok=ok))
     return checks
 
 
@@ -333,15 +339,22 @@ def least_peak_checks(rows) -> List[Dict[str, object]]:
 
 
 def frontier_table(checks) -> str:
-    lines = ["| model | anchor | anchor peak / tf.gradients | anchor time / tf.gradients "
-             "| frontier's least time at <= that peak | run's noise | not slower |",
-             "|---|---|---|---|---|---|---|"]
+    def ratio(value):
+        return "none" if value is None else f"{value:.2f}x"
+
+    def pct(value):
+        return "" if value is None else f"{100 * value:.0f}%"
+
+    lines = ["| model | anchor | anchor peak / tf.gradients | anchor CPU time | frontier's least "
+             "CPU time at <= that peak | CPU noise | anchor wall time | frontier's least wall "
+             "time | wall noise | not slower (CPU) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in checks:
-        ours = "none" if c["ours"] is None else f"{c['ours']:.2f}x"
-        noise = "" if c["noise"] is None else f"{100 * c['noise']:.0f}%"
         ok = "" if c["ok"] is None else ("yes" if c["ok"] else "NO")
         lines.append(f"| {c['model']} | {c['anchor']} | {c['peak_ratio']:.3f} | "
-                     f"{c['time_ratio']:.2f}x | {ours} | {noise} | {ok} |")
+                     f"{ratio(c['cpu_ratio'])} | {ratio(c['ours'])} | {pct(c['cpu_noise'])} | "
+                     f"{ratio(c['time_ratio'])} | {ratio(c['ours_wall'])} | {pct(c['noise'])} | "
+                     f"{ok} |")
     return "\n".join(lines)
 
 
@@ -355,8 +368,8 @@ def least_peak_table(checks) -> str:
 
 
 def plot_pareto(rows, path: str) -> Optional[str]:
-    """Peak ratio against time ratio, one panel per model size with a frontier: the
-    budget sweep as a curve, the anchors as labelled points."""
+    """Peak ratio against CPU-time ratio, one panel per model size with a frontier: the
+    budget sweep as a curve (in budget order), the anchors as labelled points."""
     plt = _pyplot()
     panels = [(key, group) for key, group in _groups(rows).items()
               if any(r.result.variant == FRONTIER and r.peak_ratio is not None for r in group)]
@@ -366,21 +379,21 @@ def plot_pareto(rows, path: str) -> Optional[str]:
     markers = {"tf.gradients": "s", "grappler-recompute": "v", "recompute_grad": "^",
                "collection": "D", "speed": "P", "memory": "*", "memory+budget": "X"}
     for ax, ((model, size), group) in zip(axes[0], panels):
-        curve = sorted((r.time_ratio, r.peak_ratio) for r in group
+        curve = sorted((r.peak_ratio, r.cpu_ratio) for r in group
                        if r.result.variant in (FRONTIER, "memory")
-                       and r.time_ratio is not None and r.peak_ratio is not None)
-        ax.plot([t for t, _ in curve], [p for _, p in curve], "k.-", linewidth=1.5,
-                label="'memory' + memory_budget sweep")
+                       and r.cpu_ratio is not None and r.peak_ratio is not None)
+        ax.plot([t for _, t in curve], [p for p, _ in curve], "k.-", linewidth=1.5,
+                label="'memory' + memory_budget sweep (by budget)")
         for r in group:
             v = r.result.variant
-            if v == FRONTIER or r.time_ratio is None or r.peak_ratio is None:
+            if v == FRONTIER or r.cpu_ratio is None or r.peak_ratio is None:
                 continue
-            ax.plot(r.time_ratio, r.peak_ratio, markers.get(v, "o"), markersize=9 if v == "memory" else 7,
+            ax.plot(r.cpu_ratio, r.peak_ratio, markers.get(v, "o"), markersize=9 if v == "memory" else 7,
                     label=v, alpha=0.85)
-        noise = next((r.noise for r in group if r.noise is not None), None)
-        title = _label(model, size) + (f" (timing noise {100 * noise:.0f}%)" if noise else "")
+        noise = next((r.cpu_noise for r in group if r.cpu_noise is not None), None)
+        title = _label(model, size) + (f" (CPU-time noise {100 * noise:.1f}%)" if noise else "")
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step time / tf.gradients")
+        ax.set_xlabel("CPU time per step / tf.gradients'")
         ax.set_ylabel("peak memory / tf.gradients")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
@@ -439,9 +452,10 @@ def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
     if frontier:
         md += ["## Frontier against the anchors", "",
                "At each anchor's measured peak: the least step-time ratio of a frontier point "
-               "(or 'memory') that peaks no higher. 'not slower': within twice the run's "
-               "timing noise (the largest half interquartile range of a variant's step times, "
-               "relative to its median).", "", frontier_table(frontier), ""]
+               "(or 'memory') that peaks no higher, in CPU seconds of the process per step and "
+               "in wall seconds. Noise: the median over the variants of the half interquartile "
+               "range of their step times, relative to their median. 'not slower': in CPU time, "
+               "within twice the CPU-time noise.", "", frontier_table(frontier), ""]
     if fits:
         md += [f"## Fits in {fits[0].cap_mb:g} MB", "", fits_table(fits), ""]
     if curves is not None:

@@ -33,7 +33,9 @@ class Row:
     result: Result
     peak_ratio: Optional[float] = None
     time_ratio: Optional[float] = None
-    noise: Optional[float] = None  # the group's timing noise (see timing_noise)
+    cpu_ratio: Optional[float] = None  # of CPU seconds per step (all threads of the process)
+    noise: Optional[float] = None  # the group's wall-time noise (see timing_noise)
+    cpu_noise: Optional[float] = None  # the same for CPU time
 
     def __getattr__(self, name):  # the Result's fields read through
         return getattr(self.result, name)
@@ -71,10 +73,11 @@ def run_sweep(
                 bar.set_description(f"{spec.name} {spec.size_label} timing"[:60])
                 core.time_interleaved(prepared, steps)
                 noise = timing_noise([p.times for p in prepared])
+                cpu_noise = timing_noise([p.cpu_times for p in prepared])
             finally:
                 for p in prepared:
                     p.close()
-            group = [Row(p.result, noise=noise) for p in prepared]
+            group = [Row(p.result, noise=noise, cpu_noise=cpu_noise) for p in prepared]
             add_ratios(group)
             rows.extend(group)
             if on_row:
@@ -98,6 +101,8 @@ def add_ratios(group: Sequence[Row]) -> None:
             row.peak_ratio = res.peak_bytes / base.result.peak_bytes
         if res.median_step_seconds is not None and base.result.median_step_seconds:
             row.time_ratio = res.median_step_seconds / base.result.median_step_seconds
+        if res.median_step_cpu_seconds and base.result.median_step_cpu_seconds:
+            row.cpu_ratio = res.median_step_cpu_seconds / base.result.median_step_cpu_seconds
 
 
 def frontier_budgets(prepared, points: int) -> List[int]:
@@ -125,15 +130,15 @@ def frontier_budgets(prepared, points: int) -> List[int]:
 
 
 def timing_noise(times: Sequence[Sequence[float]]) -> Optional[float]:
-    """The run's timing noise: the largest half interquartile range of a variant's
-    step times, relative to its median.  Two time ratios closer than about twice
-    this are not told apart."""
+    """The run's timing noise: the median over variants of the half interquartile
+    range of a variant's step times, relative to its median.  Two time ratios
+    closer than about twice this are not told apart."""
     spreads = []
     for series in times:
         if len(series) >= 4:
             q = statistics.quantiles(series, n=4)
             spreads.append((q[2] - q[0]) / 2 / statistics.median(series))
-    return max(spreads) if spreads else None
+    return statistics.median(spreads) if spreads else None
 
 
 class _NoBar:
