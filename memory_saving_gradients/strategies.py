@@ -188,10 +188,12 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
         key = tuple(solution[0])
         if key not in simulated:
             tensors = [t for i in solution[0] for t in recomputable[i - 1]]
-            peak = simulate.predict_checkpointed(
+            predicted = simulate.predict_checkpointed(
                 region, ys, xs, tensors, unknown_dim, fetched, size
-            ).peak_bytes
-            simulated[key] = (peak, solution[1], tensors)
+            )
+            # (simulated peak, the program's recomputation, tensors, simulated recomputation)
+            simulated[key] = (predicted.peak_bytes, solution[1], tensors,
+                              predicted.recompute_work)
         return simulated[key]
 
     def least_feasible():
@@ -235,6 +237,10 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
     if simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, size).peak_bytes <= \
             memory_budget:
         return []  # plain tf.gradients fits: nothing to recompute
+    # Plans of other shapes: the DP's cuts are live sets along one order, and at
+    # large budgets 'speed' (every convolution's output kept) can recompute less.
+    others = [_simulated(region, ys, xs, speed(ys, xs, region), unknown_dim, fetched, size)]
+    others = [p for p in others if p and p[0] <= memory_budget]
     for problem in problems:
         target = float(memory_budget)
         for _ in range(5):
@@ -242,21 +248,37 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
             if found is None:
                 break
             if found[0] <= memory_budget:
-                return found[2]
+                return min([found] + others, key=lambda p: (p[3], p[0]))[2]
             target *= 0.97 * memory_budget / found[0]
     floors, lowest = least_feasible()
     proposals = [lowest] + [proposal(problem, floor + 0.15 * memory_budget)
                             for problem, floor, _ in floors]
     proposals = [p for p in proposals if p]
-    fitting = [p for p in proposals if p[0] <= memory_budget]
+    fitting = [p for p in proposals if p[0] <= memory_budget] + others
     if fitting:
-        return min(fitting, key=lambda p: (p[1], p[0]))[2]
+        return min(fitting, key=lambda p: (p[3], p[0]))[2]
     lowest = min((p[0] for p in proposals), default=float("nan"))
     raise ValueError(
         f"memory_budget={memory_budget / 2**20:.1f} MB cannot be met: the smallest peak "
         f"the memory model finds for this graph is {lowest / 2**20:.1f} MB "
         f"({lowest} bytes). Raise the budget, or reduce the batch size."
     )
+
+
+def _simulated(region, ys, xs, tensors, unknown_dim, fetched, size):
+    """``(peak, recompute work, tensors, recompute work)`` of a given list of checkpoints
+    (the shape of the planner's proposals, simulated), or None if
+    none of them lies between xs and ys."""
+    excluded = {t.ref() for t in list(ys) + list(xs)}
+    kept = {}
+    for t in tensors:
+        if t.ref() not in excluded and region.produces(t) and region.is_recomputable(t.op):
+            kept.setdefault(t.ref(), t)
+    if not kept:
+        return None
+    kept = sorted(kept.values(), key=graph_lib.tensor_order)
+    predicted = simulate.predict_checkpointed(region, ys, xs, kept, unknown_dim, fetched, size)
+    return predicted.peak_bytes, predicted.recompute_work, kept, predicted.recompute_work
 
 
 def _probes(proposal, floor, at_floor, limit) -> list:

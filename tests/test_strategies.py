@@ -212,7 +212,8 @@ def test_budget_beats_uniform_on_resnet110():
 
 
 def test_budgets_are_met_and_monotone():
-    """Budgets of 0.4, 0.6, 0.8 of the baseline: measured peaks within 1.15x, rising."""
+    """Budgets of 0.4, 0.6, 0.8 of the baseline: measured peaks within 1.15x, rising
+    (within 1%)."""
     size = dict(depth=56, batch=8)
     base, base_plan = _measure("resnet", "tf", **size)
     peaks = []
@@ -221,7 +222,8 @@ def test_budgets_are_met_and_monotone():
         ours, _ = _measure("resnet", "memory", memory_budget=budget, **size)
         assert ours <= 1.15 * budget, (fraction, ours / MB, budget / MB)
         peaks.append(ours)
-    assert peaks[0] <= peaks[1] <= peaks[2], [p / MB for p in peaks]
+    # rising; the same plan may serve two budgets (then its peaks differ by jitter only)
+    assert peaks[0] <= 1.01 * peaks[1] and peaks[1] <= 1.01 * peaks[2], [p / MB for p in peaks]
 
 
 def test_strategies_registry():
