@@ -8,7 +8,13 @@ and exits 1 if 'memory' peaks above ``--max-ratio`` (0.25) of tf.gradients
 or a variant fails.  Without a GPU it prints that it skipped and why, and
 exits 0.
 
-    python benchmarks/gpu_resnet.py [--depth 122] [--batch 128] [--steps 5]
+Then, where a GPU is present (or with ``--xla``), the same step compiled with
+``tf.function(jit_compile=True)``: XLA's temp bytes (its buffer assignment,
+from the ``--xla_dump_to`` memory report) and step time of tf.gradients vs
+'memory', and their gradients against tf.gradients under XLA (exit 1 if they
+differ).  ``--max-xla-ratio`` makes the XLA temp ratio a pass/fail limit too.
+
+    python benchmarks/gpu_resnet.py [--depth 122] [--batch 128] [--steps 5] [--no-xla]
 """
 
 from __future__ import annotations
@@ -32,8 +38,16 @@ def main(argv=None) -> int:
                    help="fail if memory's peak / tf.gradients' peak is above this")
     p.add_argument("--cpu", action="store_true",
                    help="run the same comparison on the CPU (to check this script without a GPU)")
+    p.add_argument("--xla", action="store_true",
+                   help="also compare under jit_compile on the CPU (on a GPU it always runs)")
+    p.add_argument("--no-xla", action="store_true", help="skip the jit_compile comparison")
+    p.add_argument("--max-xla-ratio", type=float, default=None,
+                   help="fail if memory's XLA temp / tf.gradients' XLA temp is above this")
     args = p.parse_args(argv)
 
+    from memory_saving_gradients.bench import xla as xla_lib
+
+    dump = None if args.no_xla else xla_lib.XlaDump()  # before anything compiles with XLA
     import tensorflow as tf
 
     gpus = tf.config.list_physical_devices("GPU")
@@ -78,7 +92,35 @@ def main(argv=None) -> int:
     if ratio > args.max_ratio:
         print(f"gpu_resnet: FAILED: peak ratio {ratio:.3f} > {args.max_ratio}")
         return 1
+    if dump is not None and (gpus or args.xla):
+        status = _xla(spec, args, dump, device, xla_lib)
+        if status:
+            return status
     print("gpu_resnet: OK")
+    return 0
+
+
+def _xla(spec, args, dump, device, xla_lib) -> int:
+    """The same step under tf.function(jit_compile=True): XLA temp and time, plain vs 'memory'."""
+    import tensorflow as tf
+
+    print(f"  under jit_compile=True on {device}:", flush=True)
+    with tf.device(device):
+        rows = xla_lib.measure_xla(spec, ("tf.gradients", "memory"), dump=dump, steps=args.steps)
+    plain, mem = rows
+    for r in rows:
+        print(f"  xla {r.variant:<13s} temp {r.temp_bytes / 2**20:9.1f} MB  "
+              f"step {r.step_seconds:.4f} s  grads vs tf.gradients under XLA: "
+              f"{r.max_rel_error_vs_xla:.1e}")
+    ratio = mem.temp_bytes / max(plain.temp_bytes, 1)
+    print(f"  xla memory / tf.gradients: temp {ratio:.3f}x, step time "
+          f"{mem.step_seconds / plain.step_seconds:.2f}x")
+    if mem.max_rel_error_vs_xla > 1e-3:
+        print("gpu_resnet: FAILED: 'memory' gradients under XLA differ from tf.gradients'")
+        return 1
+    if args.max_xla_ratio is not None and ratio > args.max_xla_ratio:
+        print(f"gpu_resnet: FAILED: XLA temp ratio {ratio:.3f} > {args.max_xla_ratio}")
+        return 1
     return 0
 
 

@@ -16,7 +16,7 @@ from .checkpointing import (
     plan,
 )
 from .planning import Plan
-from .profiling import peak_memory, peak_memory_by_device
+from .profiling import peak_memory, peak_memory_by_device, peak_memory_during
 from .strategies import available as available_strategies
 from .patch import patch, patched
 from .tape import GradientTape
@@ -31,6 +31,7 @@ __all__ = [
     "Plan",
     "peak_memory",
     "peak_memory_by_device",
+    "peak_memory_during",
     "available_strategies",
     "patch",
     "patched",

@@ -12,21 +12,48 @@ gradient, so recomputation happens just before it is needed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import numbers
+import threading
 from typing import Sequence, Union
+
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 from ._tensorflow import tf, tf_gradients
 from . import graph as graph_lib
+from . import memo
 from . import planning
 from . import rewrite
+from . import simulate
 from . import strategies
 
 logger = logging.getLogger("memory_saving_gradients")
 
 TensorOrList = Union[tf.Tensor, Sequence[tf.Tensor]]
 Checkpoints = Union[str, Sequence[tf.Tensor]]
+
+#: Size assumed for an unknown dimension (a batch of ``None``) when planning,
+#: unless ``batch_size=`` states it.
+DEFAULT_BATCH_SIZE = 32
+
+_building = threading.local()  # .depth: gradients() calls running in this thread
+
+
+def building_gradients() -> bool:
+    """Whether this thread is inside :func:`gradients` (tapes used by TensorFlow's
+    own gradient functions then stay plain: the library never recurses into itself)."""
+    return getattr(_building, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def _inside_gradients():
+    _building.depth = getattr(_building, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _building.depth -= 1
 
 
 # Called from a tf.function, autograph would convert this library's code
@@ -44,17 +71,24 @@ def gradients(
     stop_gradients=None,
     unconnected_gradients=tf.UnconnectedGradients.NONE,
     memory_budget: int | None = None,
+    batch_size: int | None = None,
 ) -> list:
     """Drop-in for ``tf.compat.v1.gradients`` that recomputes instead of storing.
 
     Args:
       ys, xs, grad_ys, name, colocate_gradients_with_ops, gate_gradients,
         aggregation_method, stop_gradients, unconnected_gradients: as in
-        ``tf.compat.v1.gradients``.  xs may be tensors or resource variables.
+        ``tf.compat.v1.gradients``.  xs may be tensors or any variable
+        ``tf.compat.v1.gradients`` takes (``tf.Variable``, Keras 3 and
+        tf_keras variables, ``AutoCastVariable``, distributed variables).
       checkpoints: the tensors to keep from the forward pass: a list of
         tensors, or a strategy name (``'collection'``: the graph collection
         ``'checkpoints'``; see ``strategies.available()`` for the others).
-      memory_budget: bytes; for strategies that plan to a budget.
+      memory_budget: bytes; for strategies that plan to a budget.  With
+        unknown dimensions in the graph it needs ``batch_size``.
+      batch_size: the size the planner assumes for unknown (``None``)
+        dimensions, typically the batch you feed.  Default: 32 (and the plan's
+        ``assumptions`` say so).  Only strategies use it.
 
     Returns:
       A list with one gradient per x: a tensor, an ``IndexedSlices`` where
@@ -80,21 +114,25 @@ def gradients(
         unconnected_gradients=unconnected_gradients,
     )
     unconnected = tf.UnconnectedGradients(unconnected_gradients)
-    problem = _prepare(ys, xs)
-    with problem.graph.as_default():
-        stops = _tensor_list(stop_gradients, "stop_gradients") if stop_gradients is not None else []
-        grad_ys_list = _grad_ys_list(grad_ys, problem.ys)
-        chosen = choose_checkpoints(
-            checkpoints, problem.ys, problem.xs, problem.region, problem.graph, memory_budget
-        )
-        if chosen is None:
-            return tf_gradients(ys, xs, grad_ys, **options)
-        logger.debug("checkpoints: %s", [t.name for t in chosen])
-        with tf.name_scope(name or "gradients"):
-            return _backprop(
-                problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops, unconnected,
-                colocate_gradients_with_ops, gate_gradients, aggregation_method,
+    with _inside_gradients():
+        problem = _prepare(ys, xs)
+        with problem.graph.as_default():
+            stops = (
+                _tensor_list(stop_gradients, "stop_gradients") if stop_gradients is not None else []
             )
+            grad_ys_list = _grad_ys_list(grad_ys, problem.ys)
+            chosen = choose_checkpoints(
+                checkpoints, problem.ys, problem.xs, problem.region, problem.graph,
+                memory_budget, batch_size,
+            )
+            if chosen is None:
+                return tf_gradients(ys, xs, grad_ys, **options)
+            logger.debug("checkpoints: %s", [t.name for t in chosen])
+            with tf.name_scope(name or "gradients"):
+                return _backprop(
+                    problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops,
+                    unconnected, colocate_gradients_with_ops, gate_gradients, aggregation_method,
+                )
 
 
 def plan(
@@ -103,8 +141,9 @@ def plan(
     checkpoints: Checkpoints = "memory",
     memory_budget: int | None = None,
     grad_ys=None,
+    batch_size: int | None = None,
 ) -> planning.Plan:
-    """What ``gradients(ys, xs, grad_ys, checkpoints, memory_budget=...)`` would do.
+    """What ``gradients(ys, xs, grad_ys, checkpoints, memory_budget=..., batch_size=...)`` would do.
 
     Returns a :class:`Plan` with the checkpoints and the memory model's
     predicted peaks (with them, and for plain ``tf.gradients``) and the
@@ -118,10 +157,14 @@ def plan(
     _grad_ys_list(grad_ys, problem.ys)
     with problem.graph.as_default():
         chosen = choose_checkpoints(
-            checkpoints, problem.ys, problem.xs, problem.region, problem.graph, memory_budget
+            checkpoints, problem.ys, problem.xs, problem.region, problem.graph,
+            memory_budget, batch_size,
         )
     strategy = checkpoints if isinstance(checkpoints, str) else "list"
-    return planning.make_plan(problem.ys, problem.xs, problem.region, chosen or [], strategy)
+    return planning.make_plan(
+        problem.ys, problem.xs, problem.region, chosen or [], strategy,
+        _unknown_dim(batch_size),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,13 +201,19 @@ def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
     return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
 
 
-def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None):
+def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None, batch_size=None):
     """Checked, usable checkpoint tensors, or None to fall back to ``tf.gradients``.
 
     Drops xs, ys and tensors not between them.  An explicit list that keeps
     nothing is an error; a strategy (or the collection) that finds nothing
-    logs a warning and falls back.
+    logs a warning that says why and falls back.  Strategies plan once per
+    graph structure (:mod:`.memo`).
     """
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+        or batch_size < 1
+    ):
+        raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
     if memory_budget is not None:
         if checkpoints != "memory":
             raise ValueError(
@@ -178,17 +227,30 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None):
             )
     if isinstance(checkpoints, str):
         strategy = strategies.get(checkpoints)
-        options = {} if memory_budget is None else {"memory_budget": memory_budget}
-        candidates = strategy(ys, xs, region, **options)
-        usable = usable_checkpoints(candidates, ys, xs, region)
-        if not usable:
-            logger.warning(
-                "checkpoints=%r found no tensor to keep between xs and ys; "
-                "using plain tf.gradients (no memory is saved).",
-                checkpoints,
+        unknown = graph_lib.has_unknown_dims(region)
+        if memory_budget is not None and unknown and batch_size is None:
+            raise ValueError(
+                f"memory_budget needs the size of this graph's unknown dimensions "
+                f"({unknown}): pass batch_size=N, the batch size you will feed, so "
+                "that the budget can be checked in bytes."
             )
-            return None
-        return usable
+        options = {"unknown_dim": _unknown_dim(batch_size)}
+        if memory_budget is not None:
+            options["memory_budget"] = memory_budget
+
+        def choose():
+            usable = usable_checkpoints(strategy(ys, xs, region, **options), ys, xs, region)
+            if not usable:
+                _warn_nothing_kept(checkpoints, ys, xs, region, options["unknown_dim"], unknown)
+            return usable
+
+        if checkpoints == strategies.COLLECTION_NAME or not region.ops:
+            usable = choose()
+        else:
+            key = (checkpoints, memory_budget, options["unknown_dim"],
+                   memo.fingerprint(region, ys, xs))
+            usable = memo.remembered(key, region, choose)
+        return usable or None
     given = _checkpoint_list(checkpoints)
     nested = [t for t in given if graph_lib.in_function_body_of(t, graph)]
     if nested:
@@ -210,6 +272,34 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None):
             "or use checkpoints='memory'."
         )
     return usable
+
+
+def _unknown_dim(batch_size) -> int:
+    return DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
+
+
+def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown) -> None:
+    """One warning that says why a strategy keeps nothing."""
+    if not region.ops:
+        why = "ys do not depend on xs through any op"
+    elif checkpoints == strategies.COLLECTION_NAME:
+        why = (f"the collection {strategies.COLLECTION_NAME!r} holds no tensor between "
+               "xs and ys (add activations with tf.compat.v1.add_to_collection)")
+    else:
+        baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched=False)
+        why = (
+            "the memory model predicts no set of checkpoints with a lower peak than "
+            f"plain tf.gradients' {baseline.peak_bytes / 2**20:.2f} MB on this graph "
+            f"({len(region.ops)} ops between xs and ys; its activations are small "
+            "next to what the backward pass must hold anyway)"
+        )
+        if unknown:
+            why += (f"; unknown dimensions ({unknown}) were counted as {unknown_dim}: "
+                    "pass batch_size=N if you feed a larger batch")
+    logger.warning(
+        "checkpoints=%r keeps nothing: %s. Using plain tf.gradients (no memory is saved).",
+        checkpoints, why,
+    )
 
 
 def usable_checkpoints(candidates, ys, xs, region) -> list:
@@ -257,6 +347,9 @@ def _backprop(
         key=graph_lib.op_order, reverse=True,
     )
     previous_results: list = []
+    # XLA drops control inputs: there, recomputed inputs also depend on the
+    # incoming gradient through data (see rewrite.proxies).
+    for_xla = graph_lib.builds_for_xla(ys[0].graph)
     for index, op in enumerate(groups):
         members = constructs.get(op, (op,))
         targets = [
@@ -271,12 +364,16 @@ def _backprop(
             segment = graph_lib.construct_segment(members, targets, kept)
         else:
             segment = graph_lib.segment_for(targets, region, kept)
-        waits = [t.op for t in targets] + [
-            part.op for g in target_grads for part in rewrite.tensors_of(g)
-        ] + previous_results
+        incoming = [part for g in target_grads for part in rewrite.tensors_of(g)]
+        waits = [t.op for t in targets] + [part.op for part in incoming] + _unfusable(
+            previous_results, incoming
+        )
         if segment.recompute:
             differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
-            inputs = rewrite.proxies(differentiable, f"recompute_{index}/inputs", waits)
+            inputs = rewrite.proxies(
+                differentiable, f"recompute_{index}/inputs", waits,
+                data_after=target_grads if for_xla else (),
+            )
             copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")
             try:
                 input_grads = tf_gradients(
@@ -344,6 +441,21 @@ def _backprop(
     return results
 
 
+def _unfusable(previous_results: list, incoming: list) -> list:
+    """The previous segment's gradient ops to wait for, minus those that read a
+    gradient this segment's backward pass reads too.
+
+    oneDNN's grappler remapper fuses such siblings across segments (a
+    ``BiasAddGrad`` of one segment with the ``Conv2DBackpropFilter`` of the
+    next, both reading the gradient of a convolution output kept as a
+    checkpoint), and the fused op would then wait for copies that wait for
+    it: TensorFlow reports "N nodes in a cycle" and the step fails.  Such an
+    op only reads a gradient that stays alive for this segment anyway.
+    """
+    shared = {t.ref() for t in incoming}
+    return [op for op in previous_results if not any(t.ref() in shared for t in op.inputs)]
+
+
 def _reached_by_tf_gradients(xs, region) -> set:
     """The ops tf.gradients' walk reaches from xs: it follows trainable outputs only."""
     reached: set = set()
@@ -384,8 +496,8 @@ def _tensor_list(value, what: str) -> list:
         raise ValueError(f"{what} is empty: pass at least one tensor.")
     tensors = []
     for item in items:
-        if isinstance(item, tf.Variable):
-            item = item.value()
+        if _resource_variable_ops.is_resource_variable(item):
+            item = tf.convert_to_tensor(item)
         if not isinstance(item, tf.Tensor):
             raise TypeError(
                 f"{what} must be tensors of the graph being differentiated; got "
@@ -401,7 +513,7 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
         raise ValueError("xs is empty: pass at least one tensor or variable.")
     tensors = []
     for x in xs:
-        if isinstance(x, tf.Variable):
+        if _resource_variable_ops.is_resource_variable(x):  # as tf.gradients: its handle
             x = x.handle
             if not isinstance(x, tf.Tensor) or not hasattr(x, "graph") or x.graph is not graph:
                 x = tf.convert_to_tensor(x)  # captures an eager handle in a tf.function
@@ -411,7 +523,7 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
             x = tf.convert_to_tensor(x)  # an eager tensor: captured, as tf.gradients does
         if not isinstance(x, tf.Tensor):
             raise TypeError(
-                f"xs must be tensors or resource variables; got {type(x).__name__} {x!r:.80}."
+                f"xs must be tensors or variables; got {type(x).__name__} {x!r:.80}."
             )
         tensors.append(x)
     return tensors

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Iterable, Sequence
 
 from ._tensorflow import tf
@@ -39,9 +40,58 @@ def op_order(op: tf.Operation) -> int:
     return op._id  # pylint: disable=protected-access
 
 
+def last_op_id(graph: tf.Graph) -> int:
+    """Creation id of the newest op of ``graph`` (0 for an empty graph), in O(1)."""
+    nodes = getattr(graph, "_nodes_by_id", None)  # pylint: disable=protected-access
+    if isinstance(nodes, dict):
+        return next(reversed(nodes), 0)
+    ops = graph.get_operations()
+    return op_order(ops[-1]) if ops else 0
+
+
 def tensor_order(tensor: tf.Tensor) -> tuple:
     """Deterministic sort key of a tensor: producer's creation id, output index."""
     return (op_order(tensor.op), tensor.value_index)
+
+
+def builds_for_xla(graph: tf.Graph) -> bool:
+    """Whether the ops being added to ``graph`` will be compiled by XLA.
+
+    True at trace time inside a ``tf.function(jit_compile=True)``, in
+    functions and loop bodies nested in one, in Keras ``jit_compile=True``
+    train steps, and in a v1 graph under ``tf.compat.v1.xla.experimental.compile``
+    (all seen by ``control_flow_util.GraphOrParentsInXlaContext``).  Also
+    True when auto-clustering is switched on for a device the ops may run on
+    (see :func:`auto_clustering_requested`), which nothing in the graph shows.
+    """
+    from tensorflow.python.ops import control_flow_util as _control_flow_util
+
+    if _control_flow_util.GraphOrParentsInXlaContext(graph):
+        return True
+    flags, jit = os.environ.get("TF_XLA_FLAGS", ""), tf.config.optimizer.get_jit()
+    if "tf_xla_auto_jit" not in flags and jit != "autoclustering":
+        return False
+    return auto_clustering_requested(flags, jit, bool(tf.config.list_physical_devices("GPU")))
+
+
+def auto_clustering_requested(tf_xla_flags: str, jit_setting: str, gpu_visible: bool) -> bool:
+    """Whether XLA auto-clustering will cluster ops, from its switches (pure).
+
+    ``tf_xla_flags``: the ``TF_XLA_FLAGS`` environment variable;
+    ``jit_setting``: ``tf.config.optimizer.get_jit()``.  Auto-clustering is
+    on with ``--tf_xla_auto_jit`` 1, 2, ``fusible`` or ``single-gpu(...)``,
+    and, where the flag is 0 or absent, with ``tf.config.optimizer.set_jit(True)``;
+    it clusters GPU ops, and CPU ops only with ``--tf_xla_cpu_global_jit``.
+    """
+    auto = jit_setting == "autoclustering"
+    cpu = False
+    for token in tf_xla_flags.split():
+        name, _, value = token.lstrip("-").partition("=")
+        if name == "tf_xla_auto_jit" and value not in ("", "0"):  # 0: as the config says
+            auto = value != "-1"
+        elif name == "tf_xla_cpu_global_jit":
+            cpu = value.lower() not in ("0", "false")
+    return auto and (gpu_visible or cpu)
 
 
 def v1_control_flow_context(op: tf.Operation):
@@ -264,6 +314,29 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardR
         region.add(op)
         stack.extend(t.op for t in op.inputs if t.op in reached_from_xs)
     return ForwardRegion(frozenset(region), tuple(sorted(region, key=op_order)))
+
+
+def has_unknown_size(tensor: tf.Tensor) -> bool:
+    """Whether a tensor's size depends on dimensions unknown before it runs.
+
+    Resources and variants have no size here; an unknown rank counts only
+    on an op's first output (side outputs such as a batch norm's reserve
+    space have unknown rank even when every dimension of the model is known).
+    """
+    if tensor.dtype in (tf.resource, tf.variant):
+        return False
+    if tensor.shape.rank is None:
+        return tensor.value_index == 0
+    return not tensor.shape.is_fully_defined()
+
+
+def has_unknown_dims(region: ForwardRegion) -> str:
+    """A short description of the region's tensors with unknown dimensions
+    (e.g. ``"12 tensors, e.g. dense/MatMul:0 (None, 64)"``), or ``""``."""
+    unknown = [t for op in region.order for t in op.outputs if has_unknown_size(t)]
+    if not unknown:
+        return ""
+    return f"{len(unknown)} tensors, e.g. {unknown[0].name} {unknown[0].shape}"
 
 
 def boundary_tensors(

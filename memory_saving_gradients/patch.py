@@ -1,15 +1,19 @@
 """Replacing ``tf.gradients`` & co. with checkpointed gradients, and restoring them.
 
-``patch(checkpoints='memory', **options)`` swaps in memory-saving versions of
-every public way TensorFlow 2 code reaches graph gradients:
+``patch(checkpoints='memory', tape=True, **options)`` swaps in memory-saving
+versions of every public way TensorFlow 2 code reaches graph gradients:
 
+* ``tf.GradientTape.gradient`` (with ``tape=True``, the default), for every
+  tape while a graph is traced: see :mod:`.tape_hooks`;
 * ``tf.gradients`` (the TF2 signature: no ``colocate_gradients_with_ops``),
 * ``tf.compat.v1.gradients`` (the TF1 signature),
 * ``tensorflow.python.ops.gradients.gradients``: the module attribute that
   ``tf.compat.v1.train.Optimizer.compute_gradients`` (and so ``minimize``)
   calls as ``gradients.gradients(...)``,
-* the same names in the ``tf.compat.v1``/``tf.compat.v2`` API modules that
-  TensorFlow keeps under ``tf.compat.*.compat.*``.
+* every other module of TensorFlow that exposes one of TensorFlow's two
+  ``gradients`` functions under that name (``tensorflow.compat.v2.compat.v1``,
+  which tf_keras' legacy optimizers call, ``tf.compat.v1.compat.v2``, ...):
+  :func:`gradient_slots` lists them.
 
 It returns a :class:`Patch` whose ``undo()`` puts back exactly the objects
 that were there.  :func:`patched` is the same as a context manager.  Patches
@@ -25,18 +29,22 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import sys
 import threading
 from typing import Iterator
 
+from tensorflow.python.ops import gradients_impl as _gradients_impl
+
 from ._tensorflow import tf
+from . import tape as tape_lib
+from . import tape_hooks
 from .checkpointing import gradients as _checkpointed_gradients
 
 logger = logging.getLogger("memory_saving_gradients")
 
-#: Where TensorFlow's graph-gradient functions are looked up from:
-#: (module, attribute, signature).  A module is ``tf`` or ``tf.<path>`` (an
-#: API module reached from ``tf``) or an importable name.  Slots missing from
-#: the installed TensorFlow are skipped.
+#: Slots always replaced, whatever they hold: (module, attribute, signature).
+#: A module is ``tf`` or ``tf.<path>`` (an API module reached from ``tf``) or
+#: an importable name.  Slots missing from the installed TensorFlow are skipped.
 TARGETS = (
     ("tf", "gradients", "v2"),
     ("tf.compat.v1", "gradients", "v1"),
@@ -44,6 +52,50 @@ TARGETS = (
     # tf.compat.v1.train.Optimizer.compute_gradients calls gradients.gradients
     ("tensorflow.python.ops.gradients", "gradients", "v1"),
 )
+
+#: API modules loaded before the search, so that lazily loaded ones are found too.
+_API_PATHS = ("tf.compat.v1.compat.v1", "tf.compat.v1.compat.v2",
+              "tf.compat.v2.compat.v1", "tf.compat.v2.compat.v2")
+
+#: TensorFlow's own functions, by signature.
+_TENSORFLOW_FUNCTIONS = {
+    id(_gradients_impl.gradients): "v1",
+    id(_gradients_impl.gradients_v2): "v2",
+}
+
+
+def gradient_slots() -> list:
+    """``(module name, module, signature)`` of every ``gradients`` name to replace.
+
+    The fixed :data:`TARGETS`, plus every loaded module of TensorFlow whose
+    ``gradients`` is one of TensorFlow's two functions (or a function of an
+    active patch), except ``gradients_impl`` where they are defined (its own
+    functions, such as ``hessians``, keep calling TensorFlow's).  A module
+    reached under several names is listed once.
+    """
+    for path in _API_PATHS:
+        _module(path)
+    found, seen = [], set()
+    for name, _, signature in TARGETS:
+        module = _module(name)
+        if module is not None and id(module) not in seen and hasattr(module, "gradients"):
+            seen.add(id(module))
+            found.append((name, module, signature))
+    for name, module in sorted(sys.modules.items(), key=lambda item: item[0]):
+        if (module is None or id(module) in seen or not name.startswith("tensorflow")
+                or module is _gradients_impl):  # where they are defined: TF's internals
+            continue
+        try:
+            value = module.__dict__.get("gradients")
+        except Exception:  # pylint: disable=broad-except  (odd lazy modules)
+            continue
+        signature = _TENSORFLOW_FUNCTIONS.get(id(value)) or getattr(
+            value, "_memory_saving_gradients_signature", None
+        )
+        if signature is not None:
+            seen.add(id(module))
+            found.append((name, module, signature))
+    return found
 
 _lock = threading.Lock()
 _active: list = []  # Patch objects, oldest first
@@ -79,7 +131,7 @@ def make_gradients_v1(checkpoints="memory", **options):
         f"tf.compat.v1.gradients with checkpoints={checkpoints!r} "
         "(memory_saving_gradients.patch)."
     )
-    return _mark(gradients)
+    return _mark(gradients, "v1")
 
 
 def make_gradients_v2(checkpoints="memory", **options):
@@ -116,14 +168,15 @@ def make_gradients_v2(checkpoints="memory", **options):
     gradients.__doc__ = (
         f"tf.gradients with checkpoints={checkpoints!r} (memory_saving_gradients.patch)."
     )
-    return _mark(gradients)
+    return _mark(gradients, "v2")
 
 
-def _mark(function):
+def _mark(function, signature: str):
     """Keep autograph out of library code (a tf.function calling tf.gradients
     would convert it) and tag the function as ours."""
     function = tf.autograph.experimental.do_not_convert(function)
     function._memory_saving_gradients = True  # pylint: disable=protected-access
+    function._memory_saving_gradients_signature = signature  # pylint: disable=protected-access
     return function
 
 
@@ -133,9 +186,11 @@ _MISSING = object()
 class Patch:
     """An applied patch; ``undo()`` restores what it replaced (once)."""
 
-    def __init__(self, checkpoints, options: dict):
+    def __init__(self, checkpoints, options: dict, tape: bool = True):
         self.checkpoints = checkpoints
         self.options = dict(options)
+        self.tape = tape
+        self._tape_token = None
         self.replacements = {
             "v1": make_gradients_v1(checkpoints, **options),
             "v2": make_gradients_v2(checkpoints, **options),
@@ -145,18 +200,23 @@ class Patch:
         self.active = False
 
     def _apply(self) -> None:
-        for module_name, attribute, signature in TARGETS:
-            module = _module(module_name)
+        attribute = "gradients"
+        for module_name, module, signature in gradient_slots():
             key = (module_name, attribute)
-            if module is None or key in self._slots:
-                continue
             previous = getattr(module, attribute, _MISSING)
             if previous is _MISSING:
                 continue
             new = self.replacements[signature]
             self._slots[key] = (module, previous, new)
             setattr(module, attribute, new)
+        if self.tape:
+            self._tape_token = tape_hooks.push(tape_lib.Config.of(self.checkpoints, self.options))
         self.active = True
+
+    @property
+    def slots(self) -> list:
+        """Names of the modules whose ``gradients`` this patch replaced."""
+        return [name for name, _ in self._slots]
 
     def undo(self) -> None:
         """Put back what this patch replaced.  Calling it again does nothing."""
@@ -165,6 +225,9 @@ class Patch:
                 return
             index = _active.index(self)
             later = _active[index + 1:]
+            if self._tape_token is not None:
+                tape_hooks.pop(self._tape_token)
+                self._tape_token = None
             for key, (module, previous, new) in self._slots.items():
                 # A later patch saw our function as "previous": hand it ours.
                 successor = next((p for p in later if key in p._slots), None)
@@ -192,16 +255,21 @@ class Patch:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "undone"
-        return f"<memory_saving_gradients.Patch checkpoints={self.checkpoints!r} {state}>"
+        return (f"<memory_saving_gradients.Patch checkpoints={self.checkpoints!r} "
+                f"tape={self.tape} {state}>")
 
 
-def patch(checkpoints="memory", **options) -> Patch:
-    """Make ``tf.gradients``, ``tf.compat.v1.gradients`` and the v1 optimizers checkpoint.
+def patch(checkpoints="memory", tape: bool = True, **options) -> Patch:
+    """Make TensorFlow's gradients checkpoint: tapes, ``tf.gradients`` and the v1 optimizers.
 
     Args:
       checkpoints: strategy name or list of tensors, as in :func:`gradients`.
+      tape: also make every ``tf.GradientTape.gradient`` called while a graph
+        is traced (``tf.function``, Keras 3 and tf_keras ``fit``, custom
+        loops) checkpoint; eager tapes stay plain (logged once).  ``False``:
+        only the ``gradients`` names are replaced.
       **options: more keyword arguments for :func:`gradients`
-        (e.g. ``memory_budget``).
+        (``memory_budget``, ``batch_size``, ...).
 
     Returns:
       A :class:`Patch`; call ``undo()`` (or use it in a ``with`` block) to
@@ -211,7 +279,13 @@ def patch(checkpoints="memory", **options) -> Patch:
         checkpoints = [checkpoints]
     elif not isinstance(checkpoints, str):
         checkpoints = list(checkpoints)
-    handle = Patch(checkpoints, options)
+    if tape and not isinstance(checkpoints, str):
+        raise TypeError(
+            "patch(tape=True) takes a strategy name (e.g. 'memory'): tapes are traced "
+            "later, in graphs that do not exist yet. Pass tape=False to patch only "
+            "tf.gradients with these tensors."
+        )
+    handle = Patch(checkpoints, options, tape)
     with _lock:
         handle._apply()
         _active.append(handle)
@@ -220,9 +294,9 @@ def patch(checkpoints="memory", **options) -> Patch:
 
 
 @contextlib.contextmanager
-def patched(checkpoints="memory", **options) -> Iterator[Patch]:
+def patched(checkpoints="memory", tape: bool = True, **options) -> Iterator[Patch]:
     """``with patched('memory'): ...``: :func:`patch` for the block, undone after it."""
-    handle = patch(checkpoints, **options)
+    handle = patch(checkpoints, tape, **options)
     try:
         yield handle
     finally:

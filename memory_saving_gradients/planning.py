@@ -59,10 +59,13 @@ class Plan:
 
 
 @_gc.without_cyclic_gc
-def make_plan(ys, xs, region, checkpoints: Sequence, strategy: str) -> Plan:
-    """Predict both peaks for a chosen set of checkpoints (pure: nothing is built)."""
-    predicted = simulate.predict_checkpointed(region, ys, xs, checkpoints)
-    baseline = simulate.predict_baseline(region, ys, xs)
+def make_plan(
+    ys, xs, region, checkpoints: Sequence, strategy: str, unknown_dim: int = 1
+) -> Plan:
+    """Predict both peaks for a chosen set of checkpoints (pure: nothing is built);
+    unknown dimensions count as ``unknown_dim``."""
+    predicted = simulate.predict_checkpointed(region, ys, xs, checkpoints, unknown_dim)
+    baseline = simulate.predict_baseline(region, ys, xs, unknown_dim)
     return Plan(
         checkpoints=tuple(checkpoints),
         predicted_peak_bytes=predicted.peak_bytes,

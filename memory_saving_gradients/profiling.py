@@ -1,17 +1,61 @@
-"""Measured peak memory of a traced ``Session.run``, from the allocator's records.
+"""Measured peak memory: of a TF2 step (eager, ``tf.function``, Keras ``fit``), or of
+a traced ``tf.compat.v1`` ``Session.run``.
 
-Run a step with ``RunOptions(trace_level=FULL_TRACE)`` and a ``RunMetadata``;
-each node's memory stats list ``allocation_records`` (time, bytes; negative
-bytes are frees) per allocator.  Sorting them by time and taking the peak of
-the running sum gives the step's peak bytes on that allocator, counting only
-tensors allocated during the step (not variables allocated before it).
+TF2: :func:`peak_memory_during` resets the device allocator's statistics
+(``tf.config.experimental.reset_memory_stats``), runs your code, and returns
+the allocator's peak above the bytes it held when the code started
+(``tf.config.experimental.get_memory_info``): on CPU and GPU alike.
+
+v1 sessions: run a step with ``RunOptions(trace_level=FULL_TRACE)`` and a
+``RunMetadata``; each node's memory stats list ``allocation_records`` (time,
+bytes; negative bytes are frees) per allocator.  Sorting them by time and
+taking the peak of the running sum gives the step's peak bytes on that
+allocator, counting only tensors allocated during the step (not variables
+allocated before it).
 """
 
 from __future__ import annotations
 
 import collections
+from typing import Callable
 
 from ._tensorflow import tf
+
+
+def default_device() -> str:
+    """``'GPU:0'`` where TensorFlow sees a GPU, else ``'CPU:0'``."""
+    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+
+
+def peak_memory_during(run: Callable[[], object], device: str | None = None) -> int:
+    """Peak bytes the device's allocator held while ``run()`` ran, above what it
+    held before (variables and data made earlier are not counted).
+
+    Measure the second call of a ``tf.function`` step, so that tracing and
+    the optimizer's slot variables are not in the figure::
+
+        step(x)                                          # trace, warm up
+        peak = peak_memory_during(lambda: step(x))
+
+    On CPU this needs TensorFlow's default oneDNN allocator (its statistics
+    count buffers of 256 KiB and more; smaller ones are not seen); with
+    ``TF_ENABLE_ONEDNN_OPTS=0`` the CPU keeps no statistics and this raises
+    a ``RuntimeError``.  Use :func:`peak_memory` on a traced ``Session.run``
+    there.
+    """
+    device = device or default_device()
+    try:
+        tf.config.experimental.reset_memory_stats(device)
+    except ValueError as error:
+        raise RuntimeError(
+            f"peak_memory_during: TensorFlow keeps no memory statistics for {device} "
+            "here (on CPU they come with the default oneDNN allocator; is "
+            "TF_ENABLE_ONEDNN_OPTS=0 set?). Measure a traced tf.compat.v1 Session.run "
+            "with peak_memory(run_metadata) instead."
+        ) from error
+    start = tf.config.experimental.get_memory_info(device)["current"]
+    run()
+    return max(0, tf.config.experimental.get_memory_info(device)["peak"] - start)
 
 
 def allocation_records(run_metadata) -> dict:

@@ -26,11 +26,18 @@ def clean_scope(graph: tf.Graph, name_scope: str):
 
     Copies must not pick up whatever ``tf.control_dependencies`` or
     ``tf.device`` block the caller happens to be in; they take the device and
-    colocation of the op they copy instead.
+    colocation of the op they copy instead.  An XLA context (v1
+    ``xla.compile``) is kept.
     """
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
     with graph.as_default(), _ops.control_dependencies(None), graph.colocate_with(
         None, ignore_existing=True
     ), _ops.device(None), _ops.name_scope(name_scope):
+        if context is not None and context.IsXLAContext():
+            # control_dependencies(None) also leaves the control flow context;
+            # an XLA one (v1 xla.compile) must stay, or the new ops fall
+            # outside the computation that reads them.
+            graph._set_control_flow_context(context)  # pylint: disable=protected-access
         yield
 
 
@@ -63,7 +70,7 @@ def copy_ops(
                 dtypes=[t.dtype for t in op.outputs],
                 input_types=[t.dtype for t in op.inputs],
                 name=op.name,
-                attrs=dict(op.node_def.attr),
+                attrs=_copied_attrs(op),
                 op_def=op.op_def,
                 compute_device=False,
             )
@@ -83,6 +90,13 @@ def copy_ops(
     return {
         t.ref(): copies[t.ref()] for op in ops for t in op.outputs
     }
+
+
+def _copied_attrs(op: tf.Operation) -> dict:
+    """The attrs of ``op`` for its copy, less the mark a v1 ``xla.compile`` context sets itself."""
+    attrs = dict(op.node_def.attr)
+    attrs.pop("_xla_compile_id", None)
+    return attrs
 
 
 def add_control_inputs(ops: Iterable[tf.Operation], deps: Sequence[tf.Operation]) -> None:
@@ -194,7 +208,10 @@ def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:
 
 
 def proxies(
-    tensors: Sequence[tf.Tensor], name_scope: str, control_inputs: Sequence[tf.Operation] = ()
+    tensors: Sequence[tf.Tensor],
+    name_scope: str,
+    control_inputs: Sequence[tf.Operation] = (),
+    data_after: Sequence = (),
 ) -> dict:
     """An identity of each tensor, keyed by the original's ``ref()``, waiting for ``control_inputs``.
 
@@ -205,11 +222,29 @@ def proxies(
     optimizations of ops that have them, and one of its rewrites (``Pow`` with
     exponent 3 into ``Square`` times its input) fails on such an op in TF 2.21,
     which makes the whole graph go unoptimized.
+
+    ``data_after`` (gradients, dense or ``IndexedSlices``), when given, is for
+    graphs built for XLA, which drops control inputs and merges a copy with
+    the op it copies: each float or complex proxy is then ``tensor + zero``,
+    where the zero is computed from one element of the first of these
+    gradients in a way XLA cannot fold, so the copies can neither run before
+    that gradient nor be merged with the forward pass.  Other dtypes keep a
+    plain identity.  Without ``data_after`` the graph is as it always was.
     """
     if not tensors:
         return {}
     with clean_scope(tensors[0].graph, name_scope):
-        made = {t.ref(): tf.identity(t) for t in tensors}
+        flag = _unfoldable_false(data_after) if data_after else None
+        zeros: dict = {}
+        made = {}
+        for t in tensors:
+            dtype = t.dtype.base_dtype
+            if flag is not None and (dtype.is_floating or dtype.is_complex):
+                if dtype not in zeros:
+                    zeros[dtype] = tf.cast(flag, dtype, name="zero")
+                made[t.ref()] = tf.math.add(t, zeros[dtype], name="proxy")
+            else:
+                made[t.ref()] = tf.identity(t)
     waits = _unique_ops(control_inputs)
     if waits:
         for proxy in made.values():
@@ -217,6 +252,30 @@ def proxies(
             # (originals) with an attribute, changing their NodeDefs
             proxy.op._add_control_inputs(waits)  # pylint: disable=protected-access
     return made
+
+
+def _unfoldable_false(gradients: Sequence) -> tf.Tensor | None:
+    """A boolean False that depends on one element of the first float/complex gradient.
+
+    ``b != b`` for ``b = bool(g[0])`` is False whatever ``g`` holds (NaN
+    included), but XLA's simplifier does not fold it.  An empty gradient
+    reads as -inf (``reduce_max`` of nothing), still a valid bool.  None when
+    no gradient is float or complex.
+    """
+    for g in gradients:
+        parts = tensors_of(g)
+        if not parts:
+            continue
+        t = parts[0]
+        dtype = t.dtype.base_dtype
+        if not (dtype.is_floating or dtype.is_complex):
+            continue
+        if dtype.is_complex:
+            t = tf.math.real(t)
+        element = tf.reduce_max(tf.reshape(t, [-1])[:1])
+        b = tf.cast(element, tf.bool)
+        return tf.math.not_equal(b, b)
+    return None
 
 
 def op_gradients(

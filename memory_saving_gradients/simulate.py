@@ -37,6 +37,16 @@ ALIAS_OP_TYPES = frozenset(
 
 _END = float("inf")
 
+#: Op types whose output holds exactly the elements of their first input.
+_SAME_ELEMENTS_OP_TYPES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
+
+
+def _dtype_size(tensor: tf.Tensor) -> int:
+    try:
+        return tensor.dtype.size if tensor.dtype not in (tf.resource, tf.variant) else 0
+    except TypeError:  # strings
+        return 0
+
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
@@ -64,6 +74,7 @@ class Sizer:
         self.unknown_dim = unknown_dim
         self.assumed: set = set()
         self._bytes: dict = {}
+        self._shapes: dict = {}
         self._costs: dict = {}
         self._per_region: dict = {}  # (id(region), key) -> (region, value)
 
@@ -73,11 +84,69 @@ class Sizer:
         if found is None or found[0] is not tensor:
             shape = tensor.shape
             if shape.rank is None or not shape.is_fully_defined():
-                self.assumed.add(tensor.name)
-            found = self._bytes[id(tensor)] = (
-                tensor, graph_lib.tensor_bytes(tensor, self.unknown_dim)
-            )
+                if graph_lib.has_unknown_size(tensor):
+                    self.assumed.add(tensor.name)
+                dims = self.shape(tensor)
+                size = (
+                    graph_lib.tensor_bytes(tensor) if dims is None
+                    else int(np.prod(dims, dtype=np.float64)) * _dtype_size(tensor)
+                )
+            else:
+                size = graph_lib.tensor_bytes(tensor)
+            found = self._bytes[id(tensor)] = (tensor, size)
         return found[1]
+
+    def shape(self, tensor: tf.Tensor, depth: int = 0) -> list | None:
+        """The tensor's dimensions, unknown ones estimated (None for an unknown rank).
+
+        An unknown dimension takes its value from the op's inputs where it
+        can: a reshape's single unknown dimension holds what the input's
+        elements leave over (``[None, 64, 128] -> [None, 128]`` is
+        ``[64 * batch, 128]``), and otherwise an input of the same rank,
+        unknown at the same place, lends its estimate (a matmul's rows, an
+        elementwise op, a gradient of its logits).  What is left counts as
+        ``unknown_dim``.  Counting every unknown dimension as ``unknown_dim``
+        would get the folded ones wrong by the factor folded in.
+        """
+        found = self._shapes.get(id(tensor))
+        if found is not None and found[0] is tensor:
+            return found[1]
+        if tensor.shape.rank is None:
+            return None
+        dims = tensor.shape.as_list()
+        if None in dims:
+            dims = self._estimate(tensor, dims, depth)
+        self._shapes[id(tensor)] = (tensor, dims)
+        return dims
+
+    def _estimate(self, tensor: tf.Tensor, dims: list, depth: int) -> list:
+        op = tensor.op
+        inputs = [t for t in op.inputs if t.dtype not in (tf.resource, tf.variant)]
+        deep = depth > 32  # a long chain of unknown shapes: stop looking back
+        if op.type in _SAME_ELEMENTS_OP_TYPES and inputs and not deep:
+            source = self.shape(inputs[0], depth + 1)
+            if source is not None:
+                # the first unknown dimension takes what the others leave over
+                unknown = [i for i, d in enumerate(dims) if d is None]
+                filled = [self.unknown_dim if d is None else d for d in dims]
+                filled[unknown[0]] = 1
+                rest = int(np.prod(filled, dtype=np.float64)) or 1
+                filled[unknown[0]] = max(1, int(np.prod(source, dtype=np.float64)) // rest)
+                return filled
+        estimated = list(dims)
+        for i, d in enumerate(dims):
+            if d is not None:
+                continue
+            estimated[i] = self.unknown_dim
+            if deep:
+                continue
+            for t in inputs:
+                if t.shape.rank == len(dims) and t.shape.as_list()[i] is None:
+                    source = self.shape(t, depth + 1)
+                    if source is not None:
+                        estimated[i] = source[i]
+                        break
+        return estimated
 
     def per_region(self, region, key, make):
         """``make()``, computed once per region and ``key`` and remembered: what
@@ -100,31 +169,40 @@ class Sizer:
         names = sorted(self.assumed)
         return (
             f"{len(names)} tensors have unknown dimensions, counted as "
-            f"{self.unknown_dim} (e.g. {', '.join(names[:3])})",
+            f"{self.unknown_dim} (e.g. {', '.join(names[:3])}); pass batch_size= "
+            "to state the size you feed",
         )
 
 
-def op_flops(op: tf.Operation) -> float:
-    """Rough floating-point work of one op, from static shapes."""
+def _static_shape(tensor: tf.Tensor) -> list | None:
+    return tensor.shape.as_list() if tensor.shape.rank is not None else None
+
+
+def op_flops(op: tf.Operation, shape=_static_shape) -> float:
+    """Rough floating-point work of one op, from its shapes (``shape(tensor)``:
+    a list of dimensions, or None; static shapes by default, unknown
+    dimensions counting as 1)."""
+
+    def dims_of(t):
+        return shape(t) or []
 
     def elements(t):
-        dims = t.shape.as_list() if t.shape.rank is not None else []
         n = 1
-        for d in dims:
+        for d in dims_of(t):
             n *= d or 1
         return n
 
     out = elements(op.outputs[0]) if op.outputs else 0
     if op.type in ("Conv2D", "Conv3D", "DepthwiseConv2dNative", "_FusedConv2D",
                    "Conv2DBackpropInput"):
-        filt = op.inputs[1].shape.as_list() if op.inputs[1].shape.rank else []
+        filt = dims_of(op.inputs[1])
         per_out = 1
         for d in filt[:-1] if op.type != "DepthwiseConv2dNative" else filt[:-2]:
             per_out *= d or 1
         return 2.0 * out * per_out
     if op.type in ("MatMul", "_FusedMatMul", "BatchMatMul", "BatchMatMulV2",
                    "BatchMatMulV3", "Einsum"):
-        first = op.inputs[0].shape.as_list() if op.inputs[0].shape.rank else [1]
+        first = dims_of(op.inputs[0]) or [1]
         inner = first[-1] or 1
         if op.type in ("MatMul", "_FusedMatMul") and op.get_attr("transpose_a"):
             inner = first[0] or 1
@@ -146,7 +224,8 @@ def op_cost(op: tf.Operation, size=graph_lib.tensor_bytes) -> float:
     cheap-looking normalisations is not mistaken for a free one.
     """
     traffic = sum(size(t) for t in list(op.inputs) + list(op.outputs))
-    return op_flops(op) + BYTE_COST * traffic
+    shape = getattr(size, "shape", _static_shape)  # a Sizer estimates unknown dimensions
+    return op_flops(op, shape) + BYTE_COST * traffic
 
 
 class _Timeline:

@@ -1,9 +1,17 @@
-"""``GradientTape``: a ``tf.GradientTape`` whose ``gradient()`` checkpoints inside ``tf.function``.
+"""Checkpointed ``GradientTape.gradient`` inside ``tf.function``.
 
-Inside a ``tf.function`` the operations the tape saw are ops of the function
+Inside a ``tf.function`` the operations a tape saw are ops of the function
 graph, so ``gradient()`` can build the backward pass with
 :func:`~memory_saving_gradients.gradients` on that graph instead of replaying
-the tape.  The result follows the tape's rules:
+the tape.  Two ways in share the code of this module:
+
+* :class:`GradientTape`, a ``tf.GradientTape`` subclass with its own
+  ``checkpoints=`` and options;
+* the tape-level patch (:mod:`.tape_hooks`, turned on by
+  ``patch(tape=True)`` or ``keras.enable``), which makes every
+  ``tf.GradientTape`` behave like it.
+
+The result follows the tape's rules:
 
 * only ops created while the tape was recording are differentiated through
   (tensors made before ``__enter__`` or under ``stop_recording()`` are
@@ -13,24 +21,276 @@ the tape.  The result follows the tape's rules:
   ``unconnected_gradients='zero'``);
 * sources and the result may be nested structures (``tf.nest``).
 
-In eager mode nothing is a graph, so nothing can be recomputed: ``gradient()``
-returns ``tf.GradientTape``'s own result and logs that once per process.
-Targets or sources that are composite tensors (ragged, sparse) also fall back
-to the tape, with a log line.
+The tape's own gradient is used, unchanged, where nothing can be rewritten
+or where rewriting would change the meaning: eager mode (logged once per
+process), composite targets or sources (ragged, sparse), ``jacobian`` and
+``batch_jacobian``, a tape that started recording before the patch, and
+tapes used by this library itself while it builds a backward pass (for
+example the one inside ``tf.recompute_grad``'s gradient).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
+
+from tensorflow.python.eager import backprop as _backprop
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 from ._tensorflow import tf
 from . import graph as graph_lib
 from .checkpointing import gradients as _checkpointed_gradients
+from .checkpointing import building_gradients
 
 logger = logging.getLogger("memory_saving_gradients")
 
 _eager_warned = threading.Event()
+_local = threading.local()  # .plain: depth of jacobian calls (tape gradients stay plain)
+
+#: TensorFlow's own GradientTape methods, captured before any hook is installed.
+ORIGINAL = {
+    name: _backprop.GradientTape.__dict__[name]
+    for name in (
+        "_push_tape", "_pop_tape", "reset", "watch", "gradient", "jacobian", "batch_jacobian",
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What a checkpointed tape passes to :func:`gradients`."""
+
+    checkpoints: object = "memory"
+    options: tuple = ()  # sorted (name, value) pairs
+
+    @classmethod
+    def of(cls, checkpoints, options: dict) -> "Config":
+        return cls(checkpoints, tuple(sorted(options.items())))
+
+
+class _Recording:
+    """Which ops of one graph a tape recorded: spans of op creation ids."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.ranges: list = []  # [first op id, last op id], per span
+        self.open_from = None  # first op id of the span being recorded
+        self.watched: dict = {}  # tensor.ref() -> tensor
+
+    def open(self) -> None:
+        self.open_from = graph_lib.last_op_id(self.graph) + 1
+
+    def close(self) -> None:
+        if self.open_from is not None:
+            self.ranges.append((self.open_from, graph_lib.last_op_id(self.graph)))
+        self.open_from = None
+
+    def recorded(self, op: tf.Operation) -> bool:
+        order = graph_lib.op_order(op)
+        return any(first <= order <= last for first, last in self.ranges)
+
+
+_RECORDING = "_memory_saving_gradients_recording"
+
+
+def _recording(tape):
+    return tape.__dict__.get(_RECORDING)
+
+
+# -- bookkeeping called after the tape's own methods ---------------------------
+
+
+def note_push(tape) -> None:
+    """After ``_push_tape``: start a span of recorded ops (graph mode only)."""
+    if tf.executing_eagerly():
+        return
+    graph = tf.compat.v1.get_default_graph()
+    recording = _recording(tape)
+    if recording is None or recording.graph is not graph:
+        recording = tape.__dict__[_RECORDING] = _Recording(graph)
+    recording.open()
+
+
+def note_pop(tape) -> None:
+    """After ``_pop_tape``: close the span."""
+    recording = _recording(tape)
+    if recording is not None:
+        recording.close()
+
+
+def note_reset(tape) -> None:
+    """After ``reset``: forget what was recorded."""
+    recording = _recording(tape)
+    if recording is not None and not tf.executing_eagerly():
+        tape.__dict__[_RECORDING] = fresh = _Recording(recording.graph)
+        fresh.open()
+
+
+def note_watch(tape, tensor) -> None:
+    """After ``watch``: remember watched graph tensors."""
+    recording = _recording(tape)
+    if recording is None or tf.executing_eagerly():
+        return
+    for t in tf.nest.flatten(tensor):
+        if isinstance(t, tf.Tensor):
+            recording.watched[t.ref()] = t
+
+
+@contextlib.contextmanager
+def plain_gradients():
+    """Tape gradients in this thread stay TensorFlow's own (jacobians)."""
+    _local.plain = getattr(_local, "plain", 0) + 1
+    try:
+        yield
+    finally:
+        _local.plain -= 1
+
+
+def _plain_reason(tape) -> str | None:
+    """Why this gradient call must be the tape's own, or None."""
+    if getattr(_local, "plain", 0):
+        return "jacobian"
+    if building_gradients():
+        return "inside the library"
+    if _recording(tape) is None:
+        return "the tape started recording before memory-saving gradients were turned on"
+    return None
+
+
+# -- the checkpointed gradient ---------------------------------------------------
+
+
+def checkpointed_gradient(
+    tape,
+    config: Config,
+    target,
+    sources,
+    output_gradients=None,
+    unconnected_gradients=tf.UnconnectedGradients.NONE,
+):
+    """``tape.gradient(...)`` built by :func:`gradients` on the recorded graph."""
+
+    def plain():
+        return ORIGINAL["gradient"](tape, target, sources, output_gradients, unconnected_gradients)
+
+    if tf.executing_eagerly():
+        if not _eager_warned.is_set():
+            _eager_warned.set()
+            logger.warning(
+                "memory_saving_gradients: GradientTape.gradient ran eagerly: "
+                "nothing can be recomputed in eager mode, so these are plain "
+                "tf.GradientTape gradients (no memory saved). Call it inside a "
+                "tf.function to save memory. (Logged once.)"
+            )
+        return plain()
+    reason = _plain_reason(tape)
+    if reason is not None:
+        logger.debug("memory_saving_gradients: plain tape gradient (%s)", reason)
+        return plain()
+    if target is None:
+        raise TypeError(
+            "Argument `target` should be a list or nested structure of Tensors, "
+            "Variables or CompositeTensors to be differentiated, but received None."
+        )
+    flat_targets = tf.nest.flatten(target)
+    flat_sources = tf.nest.flatten(sources)
+    unsupported = [
+        t for t in flat_targets + flat_sources
+        if not (isinstance(t, tf.Tensor) or is_variable(t))
+    ]
+    if unsupported:
+        logger.warning(
+            "memory_saving_gradients: %s is not a dense tensor or variable; using "
+            "tf.GradientTape's own gradient (no memory saved).",
+            type(unsupported[0]).__name__,
+        )
+        return plain()
+    if tape._tape is None:  # pylint: disable=protected-access
+        raise RuntimeError(
+            "A non-persistent GradientTape can only be used to compute one set "
+            "of gradients (or jacobians)"
+        )
+    recording = _recording(tape)
+    ys = [_as_target(t) for t in flat_targets]
+    graph = ys[0].graph
+    if graph is not recording.graph:
+        logger.debug("memory_saving_gradients: target not in the tape's graph; plain gradient")
+        return plain()
+    if tape._recording:  # pylint: disable=protected-access
+        if not tape._persistent:  # pylint: disable=protected-access
+            tape._pop_tape()  # pylint: disable=protected-access
+        else:
+            # Keep recording, but the ops made so far are what gets differentiated.
+            recording.close()
+            recording.open()
+    watched = {_handle_key(v) for v in tape.watched_variables()}
+    if not tape._persistent:  # pylint: disable=protected-access
+        tape._watched_variables = tape._tape.watched_variables()  # pylint: disable=protected-access
+        tape._tape = None  # as tf.GradientTape: one gradient() per tape  # pylint: disable=protected-access
+
+    grad_ys = None
+    if output_gradients is not None:
+        grad_ys = [
+            None if g is None else tf.convert_to_tensor(g)
+            for g in tf.nest.flatten(output_gradients)
+        ]
+    connected, xs = [], []
+    for i, s in enumerate(flat_sources):
+        if is_variable(s):
+            if _handle_key(s) in watched:
+                connected.append(i)
+                xs.append(s)
+        elif recording.recorded(s.op) or s.ref() in recording.watched:
+            connected.append(i)
+            xs.append(s)
+
+    results = [None] * len(flat_sources)
+    if xs:
+        options = dict(config.options)
+        grads = _checkpointed_gradients(
+            ys,
+            xs,
+            grad_ys,
+            checkpoints=config.checkpoints,
+            stop_gradients=_unrecorded_inputs(recording, graph, xs) or None,
+            unconnected_gradients=unconnected_gradients,
+            **options,
+        )
+        for i, g in zip(connected, grads):
+            results[i] = g
+    if tf.UnconnectedGradients(unconnected_gradients) == tf.UnconnectedGradients.ZERO:
+        for i, s in enumerate(flat_sources):
+            if results[i] is None:
+                results[i] = tf.zeros_like(s)
+    return tf.nest.pack_sequence_as(sources, results)
+
+
+def _unrecorded_inputs(recording: _Recording, graph, xs) -> list:
+    """Tensors that recorded ops read but that were made outside the tape.
+
+    The tape does not differentiate through them, so neither do we: they go
+    to ``stop_gradients`` (minus the xs themselves).
+    """
+    x_refs = {x.ref() for x in xs if isinstance(x, tf.Tensor)}
+    stops: dict = {}
+    ops = graph.get_operations()
+    for first, last in recording.ranges:
+        for op in ops[_index_of_id(ops, first):]:
+            if graph_lib.op_order(op) > last:
+                break
+            for t in op.inputs:
+                if (
+                    t.ref() not in x_refs
+                    and graph_lib.is_differentiable(t)
+                    and not recording.recorded(t.op)
+                ):
+                    stops.setdefault(t.ref(), t)
+    return list(stops.values())
+
+
+# -- the subclass ------------------------------------------------------------------
 
 
 class GradientTape(tf.GradientTape):
@@ -41,8 +301,10 @@ class GradientTape(tf.GradientTape):
         or a list of tensors, as in :func:`memory_saving_gradients.gradients`.
       persistent, watch_accessed_variables: as in ``tf.GradientTape``.
       **options: more keyword arguments for ``gradients`` (``memory_budget``,
-        ``gate_gradients``, ``aggregation_method``,
+        ``batch_size``, ``gate_gradients``, ``aggregation_method``,
         ``colocate_gradients_with_ops``).
+
+    Its ``jacobian`` and ``batch_jacobian`` are ``tf.GradientTape``'s own.
     """
 
     def __init__(
@@ -55,45 +317,25 @@ class GradientTape(tf.GradientTape):
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
         self.checkpoints = checkpoints
         self.options = options
-        self._graph = None
-        self._ranges: list = []  # [first op id, last op id] recorded, per graph span
-        self._open_from = None  # first op id of the span being recorded
-        self._watched_tensors: dict = {}  # tensor.ref() -> tensor
+        self._config = Config.of(checkpoints, options)
 
-    # -- recording spans: which ops of the function graph the tape saw --------
-
+    # TensorFlow's own methods are called directly, so a tape-level patch
+    # (which replaces them on tf.GradientTape) never applies twice.
     def _push_tape(self):
-        super()._push_tape()
-        if tf.executing_eagerly():
-            return
-        graph = tf.compat.v1.get_default_graph()
-        if self._graph is not graph:
-            self._graph, self._ranges, self._watched_tensors = graph, [], {}
-        self._open_from = _last_op_id(graph) + 1
+        ORIGINAL["_push_tape"](self)
+        note_push(self)
 
     def _pop_tape(self):
-        super()._pop_tape()
-        self._close_span()
-
-    def _close_span(self):
-        if self._open_from is not None and self._graph is not None:
-            self._ranges.append((self._open_from, _last_op_id(self._graph)))
-        self._open_from = None
+        ORIGINAL["_pop_tape"](self)
+        note_pop(self)
 
     def reset(self):
-        super().reset()
-        if self._graph is not None and not tf.executing_eagerly():
-            self._ranges, self._watched_tensors = [], {}
-            self._open_from = _last_op_id(self._graph) + 1
+        ORIGINAL["reset"](self)
+        note_reset(self)
 
     def watch(self, tensor):
-        super().watch(tensor)
-        if not tf.executing_eagerly():
-            for t in tf.nest.flatten(tensor):
-                if isinstance(t, tf.Tensor):
-                    self._watched_tensors[t.ref()] = t
-
-    # -- gradient ---------------------------------------------------------------
+        ORIGINAL["watch"](self, tensor)
+        note_watch(self, tensor)
 
     @tf.autograph.experimental.do_not_convert
     def gradient(
@@ -104,126 +346,32 @@ class GradientTape(tf.GradientTape):
         unconnected_gradients=tf.UnconnectedGradients.NONE,
     ):
         """As ``tf.GradientTape.gradient``; checkpointed inside a ``tf.function``."""
-        if tf.executing_eagerly():
-            if not _eager_warned.is_set():
-                _eager_warned.set()
-                logger.warning(
-                    "memory_saving_gradients.GradientTape.gradient ran eagerly: "
-                    "nothing can be recomputed in eager mode, so these are plain "
-                    "tf.GradientTape gradients (no memory saved). Call it inside a "
-                    "tf.function to save memory. (Logged once.)"
-                )
-            return super().gradient(target, sources, output_gradients, unconnected_gradients)
-        if target is None:
-            raise TypeError(
-                "Argument `target` should be a list or nested structure of Tensors, "
-                "Variables or CompositeTensors to be differentiated, but received None."
-            )
-        flat_targets = tf.nest.flatten(target)
-        flat_sources = tf.nest.flatten(sources)
-        unsupported = [
-            t for t in flat_targets + flat_sources
-            if not (isinstance(t, tf.Tensor) or _as_variable(t) is not None)
-        ]
-        if unsupported:
-            logger.warning(
-                "memory_saving_gradients.GradientTape: %s is not a dense tensor or "
-                "variable; using tf.GradientTape's own gradient (no memory saved).",
-                type(unsupported[0]).__name__,
-            )
-            return super().gradient(target, sources, output_gradients, unconnected_gradients)
-        if self._tape is None:
-            raise RuntimeError(
-                "A non-persistent GradientTape can only be used to compute one set "
-                "of gradients (or jacobians)"
-            )
-        if self._recording:
-            if not self._persistent:
-                self._pop_tape()
-            else:
-                # Keep recording, but the ops made so far are what gets differentiated.
-                self._close_span()
-                self._open_from = _last_op_id(self._graph) + 1
-        watched_variables = self.watched_variables()
-        if not self._persistent:
-            self._tape = None  # as tf.GradientTape: one gradient() per tape
+        return checkpointed_gradient(
+            self, self._config, target, sources, output_gradients, unconnected_gradients
+        )
 
-        ys = [_as_target(t) for t in flat_targets]
-        graph = ys[0].graph
-        if graph is not self._graph:
-            raise ValueError(
-                "memory_saving_gradients.GradientTape: the target was not computed "
-                "in the graph (tf.function) where the tape recorded."
-            )
-        grad_ys = None
-        if output_gradients is not None:
-            grad_ys = [
-                None if g is None else tf.convert_to_tensor(g)
-                for g in tf.nest.flatten(output_gradients)
-            ]
+    def jacobian(self, *args, **kwargs):
+        with plain_gradients():
+            return ORIGINAL["jacobian"](self, *args, **kwargs)
 
-        watched_handles = {id(_as_variable(v)) for v in watched_variables}
-        connected, xs = [], []
-        for i, s in enumerate(flat_sources):
-            variable = _as_variable(s)
-            if variable is not None:
-                if id(variable) in watched_handles:
-                    connected.append(i)
-                    xs.append(variable)
-            elif self._recorded(s.op) or s.ref() in self._watched_tensors:
-                connected.append(i)
-                xs.append(s)
-
-        results = [None] * len(flat_sources)
-        if xs:
-            stops = self._unrecorded_inputs(graph, xs)
-            grads = _checkpointed_gradients(
-                ys,
-                xs,
-                grad_ys,
-                checkpoints=self.checkpoints,
-                stop_gradients=stops or None,
-                unconnected_gradients=unconnected_gradients,
-                **self.options,
-            )
-            for i, g in zip(connected, grads):
-                results[i] = g
-        if tf.UnconnectedGradients(unconnected_gradients) == tf.UnconnectedGradients.ZERO:
-            for i, s in enumerate(flat_sources):
-                if results[i] is None:
-                    results[i] = tf.zeros_like(s)
-        return tf.nest.pack_sequence_as(sources, results)
-
-    def _recorded(self, op: tf.Operation) -> bool:
-        order = graph_lib.op_order(op)
-        return any(first <= order <= last for first, last in self._ranges)
-
-    def _unrecorded_inputs(self, graph, xs) -> list:
-        """Tensors that recorded ops read but that were made outside the tape.
-
-        The tape does not differentiate through them, so neither do we:
-        they go to ``stop_gradients`` (minus the xs themselves).
-        """
-        x_refs = {x.ref() for x in xs if isinstance(x, tf.Tensor)}
-        stops: dict = {}
-        ops = graph.get_operations()
-        for first, last in self._ranges:
-            for op in ops[_index_of_id(ops, first):]:
-                if graph_lib.op_order(op) > last:
-                    break
-                for t in op.inputs:
-                    if (
-                        t.ref() not in x_refs
-                        and graph_lib.is_differentiable(t)
-                        and not self._recorded(t.op)
-                    ):
-                        stops.setdefault(t.ref(), t)
-        return list(stops.values())
+    def batch_jacobian(self, *args, **kwargs):
+        with plain_gradients():
+            return ORIGINAL["batch_jacobian"](self, *args, **kwargs)
 
 
-def _last_op_id(graph) -> int:
-    ops = graph.get_operations()
-    return graph_lib.op_order(ops[-1]) if ops else 0
+# -- helpers -----------------------------------------------------------------------
+
+
+def is_variable(value) -> bool:
+    """Whether TensorFlow treats ``value`` as a resource variable (tf.Variable,
+    Keras 3 and tf_keras variables, AutoCastVariable, distributed variables)."""
+    return _resource_variable_ops.is_resource_variable(value)
+
+
+def _handle_key(variable):
+    """What the tape keys a variable by: its handle (a replica's, for a
+    distributed variable in replica context)."""
+    return id(variable.handle)
 
 
 def _index_of_id(ops: list, op_id: int) -> int:
@@ -238,21 +386,7 @@ def _index_of_id(ops: list, op_id: int) -> int:
     return lo
 
 
-def _as_variable(value):
-    """The ``tf.Variable`` behind a source (a Keras 3 variable wraps one), or None."""
-    if isinstance(value, tf.Variable):
-        return value
-    if isinstance(value, tf.Tensor):
-        return None
-    for attribute in ("_value", "value"):  # Keras 3 (TensorFlow backend) keeps it in _value
-        inner = getattr(value, attribute, None)
-        if isinstance(inner, tf.Variable):
-            return inner
-    return None
-
-
 def _as_target(value) -> tf.Tensor:
-    variable = _as_variable(value)
-    if variable is not None:
-        return variable.value()
+    if is_variable(value):
+        return tf.convert_to_tensor(value)
     return value

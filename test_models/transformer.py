@@ -116,7 +116,7 @@ def _linear(x, w, b=None):
     y = tf.matmul(tf.reshape(x, [-1, shape[-1]]), w)
     if b is not None:
         y = y + b
-    return tf.reshape(y, shape[:-1] + [k])
+    return tf.reshape(y, [-1 if d is None else d for d in shape[:-1]] + [k])
 
 
 class _Dropout:
@@ -138,21 +138,21 @@ class _Dropout:
 
 
 def _attention(x, p, pre, site, cfg, drop):
-    b, s, d = x.shape.as_list()
+    _, s, d = x.shape.as_list()
     nh = cfg['heads']
     dh = d // nh
     qkv = _linear(x, p[pre + '/attn/c_attn/w'], p[pre + '/attn/c_attn/b'])
     q, k, v = tf.split(qkv, 3, axis=2)
 
     def heads(t):
-        return tf.transpose(tf.reshape(t, [b, s, nh, dh]), [0, 2, 1, 3])
+        return tf.transpose(tf.reshape(t, [-1, s, nh, dh]), [0, 2, 1, 3])
     q, k, v = heads(q), heads(k), heads(v)
     w = tf.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(dh))
     mask = np.tril(np.ones([s, s], np.float32))
     w = w * tf.constant(mask) - tf.constant(1e9 * (1.0 - mask))
     w = drop(tf.nn.softmax(w, axis=-1), site)
     a = tf.matmul(w, v)                                  # [b, nh, s, dh]
-    a = tf.reshape(tf.transpose(a, [0, 2, 1, 3]), [b, s, d])
+    a = tf.reshape(tf.transpose(a, [0, 2, 1, 3]), [-1, s, d])
     return _linear(a, p[pre + '/attn/c_proj/w'], p[pre + '/attn/c_proj/b'])
 
 
@@ -186,13 +186,13 @@ def forward(params, tokens, unit_wrapper=None, training=True):
                               unit_wrapper)
         units.append(h)
     h = common.layer_norm(h, p['ln_f/g'], p['ln_f/b'], LN_EPSILON)
-    b, s, d = h.shape.as_list()
-    h2 = tf.reshape(h, [b * s, d])
+    _, s, d = h.shape.as_list()  # the batch may be unknown (None)
+    h2 = tf.reshape(h, [-1, d])
     if cfg['tied']:
         logits = tf.matmul(h2, p['wte'], transpose_b=True)
     else:
         logits = tf.matmul(h2, p['lm_head/w'])
-    logits = tf.reshape(logits, [b, s, cfg['vocab']])
+    logits = tf.reshape(logits, [-1, s, cfg['vocab']])
     loss = common.mean_sparse_xent(logits[:, :-1], tokens[:, 1:])
     return loss, units
 

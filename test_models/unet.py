@@ -130,7 +130,8 @@ def _upsample(x, p, l, cfg):
     b, h, w, _ = x.shape.as_list()
     c = _channels(cfg, l)
     if cfg['up'] == 'transpose':
-        y = tf.nn.conv2d_transpose(x, p[name + '/w'], [b, 2 * h, 2 * w, c],
+        batch = tf.shape(x)[0] if b is None else b  # the batch may be unknown (None)
+        y = tf.nn.conv2d_transpose(x, p[name + '/w'], tf.stack([batch, 2 * h, 2 * w, c]),
                                    strides=[1, 2, 2, 1], padding='SAME')
         return y + p[name + '/b']
     y = tf.image.resize(x, [2 * h, 2 * w], method='nearest')

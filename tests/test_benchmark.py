@@ -198,3 +198,36 @@ def test_gpu_check_skips_without_a_gpu_and_runs_its_comparison_with_cpu():
     failed = _gpu_resnet("--cpu", "--depth", "20", "--batch", "8", "--steps", "1",
                          "--max-ratio", "0.05")
     assert failed.returncode == 1, failed.stdout
+
+
+def test_gpu_check_compares_under_xla_with_cpu_and_xla():
+    """The script's jit_compile comparison (on a GPU it always runs) with --cpu --xla."""
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("a GPU is visible: run_all_tests.sh runs the real comparison")
+    ran = _gpu_resnet("--cpu", "--xla", "--depth", "8", "--batch", "4", "--steps", "1",
+                      "--max-ratio", "0.95")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "under jit_compile=True" in ran.stdout and "xla memory / tf.gradients: temp" in ran.stdout
+    assert "gpu_resnet: OK" in ran.stdout
+
+
+def test_cli_xla_only_writes_its_table_and_plot(tmp_path):
+    """--xla-only: XLA temp of each variant from XLA's own report, table, CSV and PNG."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env.pop("XLA_FLAGS", None)
+    ran = subprocess.run(
+        [sys.executable, "-m", "memory_saving_gradients.benchmark", "--quick", "--xla-only",
+         "--models", "mlp", "--out", str(tmp_path), "--no-progress"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=root,
+    )
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    table = (tmp_path / "xla.md").read_text()
+    for variant in ("tf.gradients", "recompute_grad", "collection", "memory"):
+        assert f"| {variant} |" in table
+    assert (tmp_path / "xla.csv").read_text().count("\n") == 5
+    assert (tmp_path / "xla_temp.png").stat().st_size > 1000

@@ -57,3 +57,44 @@ def test_transformer_rewrite_runs_optimized(graph):
                               batch=2, vocab=32)
     grads = msg.gradients(model.loss, model.params, checkpoints="memory")
     assert _executed_types(grads, model.feed_dict)["Pow"] == 0
+
+
+def test_sibling_gradients_of_two_segments_are_not_fused_into_a_cycle():
+    """A convolution output kept as a checkpoint, its bias add in the next segment:
+    oneDNN's remapper fuses the bias add's BiasAddGrad (one segment) with the
+    convolution's Conv2DBackpropFilter (the other), both reading the same
+    gradient.  If the second segment's recomputation waited for the BiasAddGrad,
+    the fused op would wait for itself ("N nodes in a cycle"); found with
+    tf_keras Conv2D + BatchNormalization on a tf.data pipeline."""
+    rng = np.random.RandomState(0)
+    filters = [tf.Variable(rng.randn(3, 3, 8, 8).astype(np.float32) * 0.2) for _ in range(6)]
+    biases = [tf.Variable(np.zeros(8, np.float32)) for _ in range(6)]
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 16, 16, 8])])
+    def step(x):
+        with tf.GradientTape() as tape:
+            h, convs = x, []
+            for f, b in zip(filters, biases):
+                c = tf.nn.conv2d(h, f, 1, "SAME")
+                convs.append(c)
+                h = tf.nn.relu(tf.nn.bias_add(c, b))
+            loss = tf.reduce_sum(h * h)
+        grads = msg.gradients(loss, filters + biases, checkpoints=convs[1::2])
+        return loss, grads
+
+    graph = step.get_concrete_function().graph
+    assert any("recompute" in op.name for op in graph.get_operations())
+    x = tf.constant(rng.randn(4, 16, 16, 8).astype(np.float32))
+    _, grads = step(x)  # raised InvalidArgumentError "... nodes in a cycle" before
+
+    @tf.function
+    def plain(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for f, b in zip(filters, biases):
+                h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(h, f, 1, "SAME"), b))
+            loss = tf.reduce_sum(h * h)
+        return tape.gradient(loss, filters + biases)
+
+    for a, b in zip(grads, plain(x)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)

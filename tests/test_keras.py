@@ -91,17 +91,37 @@ def test_fit_trains_like_keras_with_batch_norm_and_dropout(dropout, recorded_gra
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-def test_enable_refuses_custom_train_step_and_tensor_lists():
-    class Custom(keras.Model):
-        def train_step(self, data):  # pragma: no cover - never run
-            return super().train_step(data)
+def test_enable_reaches_a_custom_train_step_and_refuses_tensor_lists(recorded_graphs):
+    """A model's own train_step with tf.GradientTape is checkpointed too."""
+    import tensorflow as tf
 
-    inputs = keras.Input((4,))
-    custom = Custom(inputs, keras.layers.Dense(1)(inputs))
-    with pytest.raises(ValueError, match="GradientTape"):
-        msg.keras.enable(custom)
+    class Custom(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+            return {"loss": loss}
+
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((16,))
+        h = inputs
+        for _ in range(4):
+            h = keras.layers.Dense(32, activation="tanh")(h)
+        model = Custom(inputs, keras.layers.Dense(1)(h))
+        model.compile(optimizer=keras.optimizers.SGD(0.05))
+        return model
+
+    want = _fit(build(), steps=3)
+    got = _fit(msg.keras.enable(build()), steps=3)
+    assert recorded_graphs, "the custom train_step's tape did not go through the library"
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
     with pytest.raises(TypeError, match="strategy name"):
         msg.keras.enable(_model(0.0, blocks=1), checkpoints=[])
+    with pytest.raises(TypeError, match="patch"):
+        msg.keras.enable(object())
 
 
 def test_disable_restores_keras_train_step(recorded_graphs):
@@ -166,3 +186,30 @@ def test_run_eagerly_trains_and_logs_once(caplog):
         got = _fit(model, steps=2)
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=2e-4)
     assert len([r for r in caplog.records if "eager" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_patched_fit_on_tf_data_trains_like_keras(steps_per_execution, recorded_graphs):
+    """The one line for a TF2 user: `with patched():` around fit on a tf.data pipeline
+    batched without drop_remainder (batch dimension None, a partial last batch)."""
+    import tensorflow as tf
+
+    x, y = _data(batch=200)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)  # 64, 64, 64, 8
+
+    def run(patch):
+        model = _model(0.3)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.5), loss="mse",
+                      steps_per_execution=steps_per_execution)
+        if patch:
+            with msg.patched("memory"):
+                return model.fit(data, epochs=2, verbose=0).history["loss"]
+        return model.fit(data, epochs=2, verbose=0).history["loss"]
+
+    want = run(False)
+    got = run(True)
+    assert recorded_graphs, "fit() did not go through the library"
+    assert any(
+        "recompute" in op.name for g in recorded_graphs for op in g.get_operations()
+    ), "the planner kept nothing in fit's step"
+    np.testing.assert_allclose(got, want, rtol=1e-5)

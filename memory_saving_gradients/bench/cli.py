@@ -76,6 +76,15 @@ def parser() -> argparse.ArgumentParser:
                    "predicted peak to tf.gradients' (even in ratio), timed with the anchors; "
                    "writes pareto.png (needs the 'memory' variant; 0: off, the default, "
                    "as 8 points on the default models take longer than the 15-minute sweep)")
+    p.add_argument("--xla", action="store_true",
+                   help="also compile each model's gradient step with tf.function(jit_compile="
+                   "True): XLA temp memory (its buffer assignment) and step time of "
+                   "tf.gradients, recompute_grad, collection and 'memory'; xla.md/.csv/.png")
+    p.add_argument("--xla-only", action="store_true",
+                   help="only the --xla comparison (no sweep, fits, training or scaling)")
+    p.add_argument("--xla-variants", default=None,
+                   help="comma-separated variants of the --xla comparison (default: "
+                   "tf.gradients,recompute_grad,collection,memory)")
     p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument("--device", default="auto",
                    help="auto (GPU if TensorFlow sees one), cpu, gpu, or a device like /GPU:1")
@@ -100,6 +109,11 @@ def resolve_device(choice: str) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    dump = None
+    if args.xla or args.xla_only:
+        from . import xla as xla_lib
+
+        dump = xla_lib.XlaDump()  # before anything in this process compiles with XLA
     from .._tensorflow import tf
     from . import fits as fits_lib
     from . import models, report, sweep, training
@@ -124,6 +138,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     depths = [int(d) for d in _csv(args.depths)] if args.depths else None
     specs = models.specs(_csv(args.models), quick=args.quick, depths=depths, batch=args.batch,
                          overrides=models.parse_overrides(args.size))
+    if args.xla_only:
+        return _xla_main(args, argv, specs, dump, steps, started, load_before, tf)
     print(f"Benchmark: {len(specs)} model sizes x {len(runnable)} variants on "
           f"{device or 'the default device (CPU)'}; output in {args.out}/")
     rows = sweep.run_sweep(specs, runnable, steps=steps, budget_fraction=args.budget_fraction,
@@ -145,6 +161,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"note: training check skipped: strategy {strategy!r} not available")
 
     extra = []
+    if dump is not None:
+        xla_results = _xla_results(args, specs, dump, steps)
+        from . import xla as xla_lib
+
+        extra.append(("XLA: temp memory and step time under jit_compile",
+                      xla_lib.DESCRIPTION + "\n\n" + xla_lib.markdown_table(xla_results)))
     scaling_sizes = [int(x) for x in _csv(args.scaling_sizes) if x.lower() != "none"]
     if scaling_sizes:
         section = _scaling_section(scaling_sizes)
@@ -153,6 +175,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     wall = time.time() - started
     header = _header(args, argv, device, wall, load_before, tf)
     written = report.write_outputs(args.out, rows, fit_results, curves, extra, header=header)
+    if dump is not None:
+        written.update(xla_lib.write_outputs(args.out, xla_results, header=header))
 
     print()
     print(report.markdown_table(rows))
@@ -179,6 +203,47 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("GRADIENTS DIFFER for: " + ", ".join(f"{r.model} {r.size} {r.variant}" for r in bad))
         return 1
     if curves is not None and not curves.same:
+        return 1
+    return 0
+
+
+def _xla_results(args, specs, dump, steps) -> list:
+    from . import xla as xla_lib
+
+    import memory_saving_gradients as msg
+
+    variants = _csv(args.xla_variants) if args.xla_variants else list(xla_lib.XLA_VARIANTS)
+    unknown = [v for v in variants
+               if v not in xla_lib.XLA_VARIANTS and v not in msg.available_strategies()]
+    if unknown:
+        raise SystemExit(f"unknown --xla-variants {unknown}; known: "
+                         f"{', '.join(xla_lib.XLA_VARIANTS)} or a strategy name")
+    print(f"XLA: {len(specs)} model sizes x {len(variants)} variants under jit_compile ...",
+          flush=True)
+    results = []
+    for spec in specs:
+        rows = xla_lib.measure_xla(spec, variants, dump=dump, steps=steps)
+        for r in rows:
+            print(f"  {r.model} {spec.size_label} {r.variant}: XLA temp "
+                  f"{r.temp_bytes / 2**20:.2f} MB, {r.step_seconds * 1e3:.1f} ms", flush=True)
+        results.extend(rows)
+    return results
+
+
+def _xla_main(args, argv, specs, dump, steps, started, load_before, tf) -> int:
+    from . import xla as xla_lib
+
+    results = _xla_results(args, specs, dump, steps)
+    wall = time.time() - started
+    header = _header(args, argv, "", wall, load_before, tf)
+    written = xla_lib.write_outputs(args.out, results, header=header)
+    print()
+    print(xla_lib.markdown_table(results))
+    print()
+    print(f"Wall time {wall:.0f} s. Written: " + ", ".join(sorted(written.values())))
+    bad = xla_lib.differing(results)
+    if bad:
+        print("GRADIENTS DIFFER for: " + ", ".join(f"{r.model} {r.variant}" for r in bad))
         return 1
     return 0
 

@@ -1,0 +1,78 @@
+"""Plans remembered by the structure of the graph they were made for.
+
+Keras and ``tf.function`` trace the same step again and again (a second
+``fit``, a new ``train_function``, a retrace for another input signature
+that happens to give the same shapes).  Each trace is a new graph, but the
+planner's answer depends only on the forward region's structure: op types,
+edges, shapes and dtypes, and which tensors are ``ys`` and ``xs``.  A
+fingerprint of that structure (linear in ops + edges, much cheaper than
+planning) keys the chosen checkpoints, stored as positions in the region's
+topological order, so that an identical retrace is not planned again.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from typing import Callable, Sequence
+
+from ._tensorflow import tf
+from .graph import ForwardRegion
+
+#: How many plans are remembered (least recently used go first).
+CAPACITY = 128
+
+_lock = threading.Lock()
+_plans: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+
+
+def fingerprint(region: ForwardRegion, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> str:
+    """A digest of the region's structure, the same for identical retraces."""
+    position = {op: i for i, op in enumerate(region.order)}
+    x_index = {x.ref(): i for i, x in enumerate(xs)}
+    digest = hashlib.sha1()
+
+    def describe(tensor) -> str:
+        at = position.get(tensor.op)
+        if at is not None:
+            return f"{at}:{tensor.value_index}"
+        x = x_index.get(tensor.ref())
+        kind = f"x{x}" if x is not None else tensor.op.type
+        return f"<{kind} {tensor.dtype.name} {tensor.shape}>"
+
+    for op in region.order:
+        inputs = ",".join(describe(t) for t in op.inputs)
+        outputs = ",".join(f"{t.dtype.name}{t.shape}" for t in op.outputs)
+        digest.update(f"{op.type}({inputs})->{outputs};".encode())
+    digest.update(("ys:" + ",".join(describe(y) for y in ys)).encode())
+    digest.update(("xs:" + ",".join(describe(x) for x in xs)).encode())
+    return digest.hexdigest()
+
+
+def remembered(key: tuple, region: ForwardRegion, choose: Callable[[], list]) -> list:
+    """``choose()``'s tensors, from memory when ``key`` was planned before.
+
+    ``key`` must include :func:`fingerprint`; tensors outside the region are
+    not remembered (the call is planned again).
+    """
+    with _lock:
+        found = _plans.get(key)
+        if found is not None:
+            _plans.move_to_end(key)
+    if found is not None:
+        return [region.order[i].outputs[j] for i, j in found]
+    tensors = choose()
+    position = {op: i for i, op in enumerate(region.order)}
+    if all(t.op in position for t in tensors):
+        with _lock:
+            _plans[key] = tuple((position[t.op], t.value_index) for t in tensors)
+            while len(_plans) > CAPACITY:
+                _plans.popitem(last=False)
+    return tensors
+
+
+def forget() -> None:
+    """Drop every remembered plan."""
+    with _lock:
+        _plans.clear()

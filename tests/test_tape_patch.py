@@ -1,0 +1,327 @@
+"""patch(tape=True): every tf.GradientTape checkpoints while a graph is traced.
+
+Each case runs the same code under a plain ``tf.function`` and under
+``patched('memory')`` and compares the results; where the library should
+have rewritten the step, the traced graph must hold ``recompute`` copies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow import GradientTape as EarlyBoundTape  # bound before any patch
+from tensorflow.python.eager import backprop
+from tensorflow.python.ops import gradients_impl
+
+import memory_saving_gradients as msg
+from memory_saving_gradients import memo
+from memory_saving_gradients import strategies
+from memory_saving_gradients import tape as tape_lib
+from memory_saving_gradients import tape_hooks
+
+patch_lib = importlib.import_module("memory_saving_gradients.patch")
+
+DEPTH = 12
+
+
+class EarlySubclass(tf.GradientTape):
+    """A user's subclass, defined before any patch."""
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    for handle in list(patch_lib._active):
+        handle.undo()
+    assert not tape_hooks.is_installed()
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return [
+        tf.Variable(tf.random.stateless_normal([32, 32], seed=[i, 9]) * 0.3, name=f"w{i}")
+        for i in range(DEPTH)
+    ]
+
+
+@pytest.fixture(scope="module")
+def x():
+    return tf.random.stateless_normal([512, 32], seed=[5, 6])
+
+
+def _forward(weights, x):
+    h = x
+    for w in weights:
+        h = tf.tanh(tf.matmul(h, w))
+    return tf.reduce_sum(h * h)
+
+
+def _both(body, *args):
+    """``body`` traced plain and under ``patched('memory')``; (plain, ours, our graph)."""
+    plain = tf.function(body)
+    want = plain(*args)
+    with msg.patched("memory"):
+        ours = tf.function(body)
+        graph = ours.get_concrete_function(*args).graph
+        got = ours(*args)
+    return want, got, graph
+
+
+def _recomputes(graph) -> int:
+    return sum("recompute" in op.name for op in graph.get_operations())
+
+
+def _close(a, b, rtol=1e-4):
+    for u, v in zip(tf.nest.flatten(a), tf.nest.flatten(b)):
+        assert (u is None) == (v is None), (u, v)
+        if u is None:
+            continue
+        u, v = np.asarray(tf.convert_to_tensor(u)), np.asarray(tf.convert_to_tensor(v))
+        scale = max(1.0, float(np.abs(v).max()))
+        np.testing.assert_allclose(u, v, rtol=rtol, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("tape_class", [
+    tf.GradientTape, tf.compat.v1.GradientTape, tf.compat.v2.GradientTape,
+    EarlyBoundTape, EarlySubclass,
+], ids=["tf", "compat.v1", "compat.v2", "bound-before", "subclass"])
+def test_every_name_and_subclass_of_the_tape_is_checkpointed(weights, x, tape_class):
+    def body(x):
+        with tape_class() as tape:
+            tape.watch(x)
+            loss = _forward(weights, x)
+        return tape.gradient(loss, {"w": weights, "x": x})
+
+    want, got, graph = _both(body, x)
+    _close(got, want)
+    assert _recomputes(graph) > 0
+
+
+def test_tape_false_leaves_tapes_alone_and_patches_tf_gradients(weights, x):
+    with msg.patched("memory", tape=False) as handle:
+        assert not tape_hooks.is_installed()
+        assert tf.gradients is handle.replacements["v2"]
+
+        @tf.function
+        def body(x):
+            with tf.GradientTape() as tape:
+                loss = _forward(weights, x)
+            return tape.gradient(loss, weights)
+
+        assert _recomputes(body.get_concrete_function(x).graph) == 0
+
+
+def test_persistent_tape_two_gradients_and_output_gradients(weights, x):
+    def body(x):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            h = x
+            for w in weights:
+                h = tf.tanh(tf.matmul(h, w))
+            loss = tf.reduce_sum(h * h)
+        first = tape.gradient(loss, weights[:4])
+        second = tape.gradient(h, [x, weights[-1]], output_gradients=tf.ones_like(h) * 0.5)
+        return first, second
+
+    want, got, graph = _both(body, x)
+    _close(got, want)
+    assert _recomputes(graph) > 0
+
+
+def test_unconnected_zero_stop_recording_and_unwatched(weights, x):
+    other = tf.Variable(tf.ones([32, 32]), name="unused")
+
+    def body(x):
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            tape.watch(weights[2:])
+            with tape.stop_recording():
+                early = tf.tanh(tf.matmul(x, weights[0]))  # not recorded: a constant
+            h = tf.tanh(tf.matmul(early, weights[1]))
+            loss = _forward(weights[2:], h)
+        return tape.gradient(loss, weights + [other, x], unconnected_gradients="zero")
+
+    want, got, graph = _both(body, x)
+    _close(got, want)
+    # weights[0] (under stop_recording) and weights[1] (not watched) get zeros, as plain
+    assert float(tf.reduce_max(tf.abs(got[0]))) == 0.0
+    assert float(tf.reduce_max(tf.abs(got[1]))) == 0.0
+
+
+def test_nested_tapes_gradient_penalty_and_hessian_vector_product(weights, x):
+    def penalty(x):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                loss = _forward(weights[:6], x)
+            dx = inner.gradient(loss, x)
+            penalty = tf.reduce_mean(tf.square(dx)) + loss
+        return outer.gradient(penalty, weights[:6])
+
+    want, got, _ = _both(penalty, x)
+    _close(got, want, rtol=2e-4)
+
+    v = [tf.ones_like(w) * 0.01 for w in weights[:6]]
+
+    def hvp(x):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = _forward(weights[:6], x)
+            grads = inner.gradient(loss, weights[:6])
+            dot = tf.add_n([tf.reduce_sum(g * u) for g, u in zip(grads, v)])
+        return outer.gradient(dot, weights[:6])
+
+    want, got, _ = _both(hvp, x)
+    _close(got, want, rtol=2e-4)
+
+
+def test_jacobian_and_batch_jacobian_equal_the_plain_tape(weights):
+    small = tf.random.stateless_normal([4, 32], seed=[1, 2])
+
+    def jac(x):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            h = tf.tanh(tf.matmul(tf.tanh(tf.matmul(x, weights[0])), weights[1]))
+            out = tf.reduce_sum(h, axis=1)
+        return tape.jacobian(out, weights[0]), tape.batch_jacobian(h, x)
+
+    want, got, _ = _both(jac, small)
+    _close(got, want)
+
+
+def test_custom_gradient_recompute_grad_and_while_loop(weights, x):
+    @tf.custom_gradient
+    def clipped_tanh(h):
+        y = tf.tanh(h)
+
+        def grad(dy):
+            return tf.clip_by_value(dy * (1 - y * y), -0.1, 0.1)
+
+        return y, grad
+
+    block = tf.recompute_grad(lambda h: tf.tanh(tf.matmul(tf.tanh(tf.matmul(h, weights[4])),
+                                                          weights[5])))
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for w in weights[:4]:
+                h = clipped_tanh(tf.matmul(h, w))
+            h = block(h)
+            h = tf.while_loop(lambda i, h: i < 3,
+                              lambda i, h: (i + 1, tf.tanh(tf.matmul(h, weights[6]))),
+                              (tf.constant(0), h))[1]
+            loss = _forward(weights[7:], h)
+        return tape.gradient(loss, weights)
+
+    want, got, graph = _both(body, x)
+    _close(got, want)
+    assert _recomputes(graph) > 0
+
+
+def test_eager_tapes_stay_plain_and_log_once(weights, x, caplog):
+    tape_lib._eager_warned.clear()
+    with tf.GradientTape() as tape:
+        want = tape.gradient(_forward(weights, x), weights)
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        with msg.patched("memory"):
+            for _ in range(2):
+                with tf.GradientTape() as tape:
+                    got = tape.gradient(_forward(weights, x), weights)
+    _close(got, want)
+    assert len([r for r in caplog.records if "eager" in r.getMessage()]) == 1
+
+
+def test_undo_restores_the_tape_methods_in_any_order():
+    originals = {name: backprop.GradientTape.__dict__[name] for name in tape_lib.ORIGINAL}
+    first = msg.patch("memory")
+    second = msg.patch("speed")
+    assert tape_hooks.current().checkpoints == "speed"
+    assert backprop.GradientTape.__dict__["gradient"] is not originals["gradient"]
+    second.undo()
+    assert tape_hooks.current().checkpoints == "memory"
+    third = msg.patch("memory", tape=False)
+    first.undo()  # the tape-less patch does not keep the hooks
+    assert tape_hooks.current() is None and not tape_hooks.is_installed()
+    third.undo()
+    for name, method in originals.items():
+        assert backprop.GradientTape.__dict__[name] is method, name
+
+
+def test_patch_replaces_every_gradients_name_of_tensorflow():
+    def tensorflow_functions():
+        return sorted(
+            name for name, module in sys.modules.items()
+            if name.startswith("tensorflow") and module is not None
+            and module is not gradients_impl
+            and module.__dict__.get("gradients") in (gradients_impl.gradients,
+                                                     gradients_impl.gradients_v2)
+        )
+
+    before = tensorflow_functions()
+    # tf_keras' legacy optimizers call tensorflow.compat.v2.compat.v1.gradients
+    assert "tensorflow._api.v2.compat.v2.compat.v1" in before, before
+    with msg.patched("memory") as handle:
+        assert tensorflow_functions() == []
+        assert tf.compat.v2.compat.v1.gradients is handle.replacements["v1"]
+        assert tf.compat.v1.compat.v2.gradients is handle.replacements["v2"]
+        assert len(handle.slots) >= 8, handle.slots
+    assert tensorflow_functions() == before
+    assert gradients_impl.gradients is tf.compat.v1.gradients
+
+
+def test_identical_retraces_are_planned_once(weights, x, monkeypatch):
+    memo.forget()
+    calls = []
+    real = strategies._STRATEGIES["memory"]
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setitem(strategies._STRATEGIES, "memory", counting)
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            loss = _forward(weights, x)
+        return tape.gradient(loss, weights)
+
+    with msg.patched("memory"):
+        graphs = [tf.function(body).get_concrete_function(x).graph for _ in range(3)]
+        other = tf.function(body).get_concrete_function(x[:256]).graph  # other shapes
+    assert all(_recomputes(g) > 0 for g in graphs + [other])
+    assert len(calls) == 2, "an identical retrace was planned again"
+
+
+def test_tape_step_in_tf_function_lowers_the_measured_peak(graph, measure_peak):
+    """A training step with a plain tf.GradientTape, patched: its peak drops.
+
+    24 tanh layers, batch 1024, width 256 (1 MiB per activation); the
+    tf.function is called in a v1 graph so that its nodes show in the step stats.
+    """
+    rng = np.random.default_rng(0)
+    ws = [tf.Variable((rng.standard_normal((256, 256)) / 16.0).astype(np.float32))
+          for _ in range(24)]
+    x = tf.compat.v1.placeholder(tf.float32, [None, 256])  # batch unknown, as tf.data
+    feed = {x: rng.standard_normal((1024, 256)).astype(np.float32)}
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for w in ws:
+                h = tf.tanh(tf.matmul(h, w))
+            loss = tf.reduce_sum(h * h)
+        for w, g in zip(ws, tape.gradient(loss, ws)):
+            w.assign_sub(0.01 * g)
+        return loss
+
+    plain, _ = measure_peak(tf.function(step)(x), feed)
+    with msg.patched("memory", batch_size=1024):
+        ours_loss = tf.function(step)(x)
+    ours, _ = measure_peak(ours_loss, feed)
+    print(f"patched tape step peak: plain {plain / 2**20:.1f} MiB, ours {ours / 2**20:.1f} MiB")
+    assert ours < 0.6 * plain, (ours, plain)

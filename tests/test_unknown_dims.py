@@ -1,0 +1,129 @@
+"""Graphs whose batch dimension is unknown (None) are planned as well as known ones.
+
+Every tf.data pipeline batched without ``drop_remainder``, Keras' retrace
+after a partial last batch, ``input_signature=[TensorSpec([None, ...])]`` and
+v1 placeholders ``[None, ...]`` give such graphs.  The planner assumes
+``batch_size`` (32 unless stated) for unknown dimensions: the plan it makes
+for the unknown batch, fed at batch B, must peak within 10% of the plan made
+with B known, measured.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+import test_models
+from memory_saving_gradients import checkpointing
+from memory_saving_gradients import memo
+
+MODELS = {
+    "resnet": dict(depth=20),
+    "transformer": dict(layers=4, d_model=128, seq_len=64, vocab=512),
+    "unet": dict(),
+    "mlp": dict(depth=16, width=512),
+}
+
+#: Measured peak of the unknown-batch plan over the known-batch plan's, at most.
+SLACK = 1.10
+
+
+def _build(name: str, batch: int, batch_known: bool):
+    """The model in the default graph; batch dimension None unless ``batch_known``."""
+    module = test_models.MODELS[name]
+    size = dict(MODELS[name], batch=batch)
+    params = module.make_params(seed=0, **size)
+    placeholders = []
+    for spec in module.input_signature(**size):
+        shape = list(spec.shape)
+        if not batch_known:
+            shape[0] = None
+        placeholders.append(tf.compat.v1.placeholder(spec.dtype, shape))
+    loss, _ = module.forward(params, *placeholders, training=True)
+    feed = dict(zip(placeholders, module.make_inputs(seed=0, **size)))
+    return loss, params.trainable, feed
+
+
+def _measured_peak(name, batch, batch_known, measure_peak, **options):
+    with tf.Graph().as_default():
+        loss, xs, feed = _build(name, batch, batch_known)
+        grads = msg.gradients(loss, xs, checkpoints="memory", **options)
+        peak, _ = measure_peak(grads, feed)
+    return peak
+
+
+@pytest.mark.parametrize("batch", [8, 64])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_unknown_batch_plan_peaks_like_the_known_batch_plan(name, batch, measure_peak):
+    known = _measured_peak(name, batch, True, measure_peak)
+    unknown = _measured_peak(name, batch, False, measure_peak)
+    print(f"{name} batch {batch}: known {known / 2**20:.1f} MiB, "
+          f"unknown {unknown / 2**20:.1f} MiB ({unknown / known:.3f}x)")
+    assert unknown <= SLACK * known, (unknown, known)
+
+
+def test_plan_states_what_it_assumed(graph):
+    loss, xs, _ = _build("resnet", 8, False)
+    the_plan = msg.plan(loss, xs)
+    assumed = " ".join(the_plan.assumptions)
+    assert f"counted as {checkpointing.DEFAULT_BATCH_SIZE}" in assumed
+    assert "batch_size=" in assumed
+    stated = msg.plan(loss, xs, batch_size=64)
+    assert "counted as 64" in " ".join(stated.assumptions)
+    # activations scale with the batch, weights do not
+    assert stated.baseline_peak_bytes > 1.5 * the_plan.baseline_peak_bytes
+
+
+def test_budget_needs_the_batch_size_and_uses_it(graph, measure_peak, op_snapshot):
+    loss, xs, feed = _build("resnet", 32, False)
+    before = op_snapshot(graph)
+    with pytest.raises(ValueError, match="batch_size"):
+        msg.gradients(loss, xs, checkpoints="memory", memory_budget=20 * 2**20)
+    assert op_snapshot(graph) == before  # the graph is left as it was
+    plain = msg.plan(loss, xs, batch_size=32).baseline_peak_bytes
+    budget = int(0.5 * plain)
+    grads = msg.gradients(loss, xs, checkpoints="memory", memory_budget=budget, batch_size=32)
+    peak, _ = measure_peak(grads, feed)
+    assert peak <= 1.15 * budget, (peak, budget)
+
+
+def test_bad_batch_size_is_a_clear_error(graph):
+    loss, xs, _ = _build("mlp", 8, False)
+    for bad in (0, -3, 2.5, True, "32"):
+        with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+            msg.gradients(loss, xs, checkpoints="memory", batch_size=bad)
+
+
+def test_keeping_nothing_is_one_warning_that_says_why(caplog):
+    """A graph too small to save anything: one warning per graph structure, with the reason."""
+    memo.forget()
+    w = tf.Variable(tf.ones([8, 8]))
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w)))
+        return tape.gradient(loss, w)
+
+    spec = [tf.TensorSpec([None, 8], tf.float32)]
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        with msg.patched("memory"):
+            for _ in range(3):  # identical retraces
+                tf.function(body, input_signature=spec).get_concrete_function()
+    warnings = [r.getMessage() for r in caplog.records if "keeps nothing" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "predicts no set of checkpoints with a lower peak" in warnings[0]
+    assert "counted as 32" in warnings[0] and "batch_size=" in warnings[0]
+
+
+def test_same_values_with_an_unknown_batch(graph, run_both, assert_grads_match):
+    loss, xs, feed = _build("transformer", 8, False)
+    ours = msg.gradients(loss, xs, checkpoints="memory")
+    theirs = tf.compat.v1.gradients(loss, xs)
+    assert any("recompute" in op.name for op in graph.get_operations())
+    got, want = run_both(ours, theirs, feed)
+    assert_grads_match(ours, theirs, got, want)
+    np.testing.assert_equal(len(got), len(xs))
