@@ -186,15 +186,22 @@ def smallest_budget(problem: CutProblem, levels: int = 120) -> float:
     so the result never under-counts).  A first pass quantises the total
     output bytes; a second, the peak the first found, which is far smaller on
     a deep graph: the rounding then adds a fraction of a small checkpoint per
-    cut instead of a fraction of the whole forward pass.
+    cut instead of a fraction of the whole forward pass.  A peak found is a
+    bound for the passes after it: a segment that allocates more cannot be
+    on a better path, so those are skipped (a very coarse pass first gives
+    the first bound; the result is the same, the passes cheaper).
     """
     total = float(problem.output_bytes[-1]) + problem.fixed_bytes + 1.0
-    coarse = _minimax_peak(problem, total / levels, levels)
-    return min(coarse, _minimax_peak(problem, coarse / levels, levels))
+    rough_levels = max(levels // 8, 1)
+    bound = _minimax_peak(problem, total / rough_levels, rough_levels)
+    coarse = min(bound, _minimax_peak(problem, total / levels, levels, bound))
+    return min(coarse, _minimax_peak(problem, coarse / levels, levels, coarse))
 
 
-def _minimax_peak(problem: CutProblem, quantum: float, levels: int) -> float:
-    """Least largest segment peak with ``kept`` below ``levels * quantum`` (inf if none)."""
+def _minimax_peak(problem: CutProblem, quantum: float, levels: int,
+                  bound: float = math.inf) -> float:
+    """Least largest segment peak with ``kept`` below ``levels * quantum`` (inf if none);
+    only segments allocating less than ``bound`` are considered."""
     n = len(problem)
     width = levels + 1
     level_index = np.arange(width)
@@ -203,30 +210,36 @@ def _minimax_peak(problem: CutProblem, quantum: float, levels: int) -> float:
     level_row = level_index[None, :]
     for b in range(1, n):
         work, kept, _ = problem.row(b)
+        preds = np.flatnonzero(work < bound) if bound < math.inf else np.arange(b)
+        if preds.size == 0:
+            continue
+        work = work[preds]
         if b == n - 1:
-            shift = np.zeros(b, dtype=np.int64)
+            shift = np.zeros(preds.size, dtype=np.int64)
         else:
-            shift = np.ceil(kept / quantum).astype(np.int64)
+            shift = np.ceil(kept[preds] / quantum).astype(np.int64)
         source = level_row - shift[:, None]  # never above levels: shift >= 0
         valid = source >= 0
         safe = np.maximum(source, 0)
-        peak = np.maximum(np.take_along_axis(best[:b], safe, axis=1),
+        peak = np.maximum(np.take_along_axis(best[preds], safe, axis=1),
                           safe * quantum + work[:, None])
         best[b] = np.where(valid, peak, np.inf).min(axis=0)
     return float(best[n - 1].min())
 
 
-def refine_floor(problem: CutProblem, estimate: float, steps: int = 3, levels: int = 120,
+def refine_floor(problem: CutProblem, estimate: float, steps: int = 2, levels: int = 120,
                  max_rise: float = 1.5) -> tuple:
     """The least budget :func:`least_recompute` finds feasible, near ``estimate``.
 
     The two programs quantise differently, so ``estimate`` (from
     :func:`smallest_budget`) may be infeasible here: budgets then rise by 4%
     at a time, up to ``max_rise`` times it.  Then ``steps`` bisections below
-    the first feasible budget.  Returns ``(budget, solution)``, the solution
-    None if nothing up to the rise was feasible.
+    the first feasible budget (down to 10% below ``estimate``: the minimax
+    program rounds up, so far lower budgets were never feasible on the
+    benchmark models).  Returns ``(budget, solution)``, the solution None if
+    nothing up to the rise was feasible.
     """
-    upper, lower = estimate, 0.5 * estimate
+    upper, lower = estimate, 0.9 * estimate
     solution = least_recompute(problem, upper, levels)
     while solution is None:
         if upper >= max_rise * estimate:

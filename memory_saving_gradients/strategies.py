@@ -98,24 +98,47 @@ def memory(
     unknown_dim: int = 1,
     **_,
 ) -> list:
-    """Bottleneck cuts spaced by bytes, chosen by :mod:`.budget`.
+    """The least memory: bottleneck cuts spaced by bytes, chosen by :mod:`.budget`.
 
-    Without a budget: a trade between the least peak the memory model can
-    reach and recomputation.  Each plan proposed is scored by its
-    recomputation (in forward passes) plus ``MEMORY_WEIGHT`` times its peak
-    (in least peaks), and the lowest score is taken, among plans whose peak
-    exceeds the least one by at most ``MEMORY_SLACK`` of it (so at most
-    twice it) and that keep ``1 - SAVING_SLACK`` of the largest saving.  So
-    10% more memory must buy 3% of a forward pass.  Both are relative to the least peak: the
-    chosen peak grows with the model as the least one does (about sqrt(depth)
-    on a chain or a residual net), not as plain ``tf.gradients``' does.  With ``memory_budget``
-    (bytes): the least recomputation whose predicted peak fits it; ValueError
-    if none does.
+    Without a budget: among the plans proposed, those whose predicted peak is
+    within ``LEAST_PEAK_TOLERANCE`` (5%) of the least one found, and of those
+    the one that recomputes least.  With ``memory_budget`` (bytes): the least
+    recomputation whose predicted peak fits it; ValueError if none does.  For
+    a trade of memory against recomputation, use ``'balanced'``.  A budget at or above
+    plain ``tf.gradients``' predicted peak keeps nothing (plain gradients).
     """
-    return memory_checkpoints(ys, xs, region, memory_budget, unknown_dim)
+    return memory_checkpoints(ys, xs, region, memory_budget, unknown_dim, trade=False)
 
 
-#: Without a budget, 'memory' weighs one least peak of memory as this many
+@register("balanced")
+def balanced(
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    region: ForwardRegion,
+    memory_budget: float | None = None,
+    unknown_dim: int = 1,
+    **_,
+) -> list:
+    """A trade between the least peak and recomputation (what 'memory' did before).
+
+    Each plan proposed is scored by its recomputation (in forward passes)
+    plus ``MEMORY_WEIGHT`` times its peak (in least peaks), and the lowest
+    score is taken, among plans whose peak exceeds the least one by at most
+    ``MEMORY_SLACK`` of it (so at most twice it) and that keep ``1 -
+    SAVING_SLACK`` of the largest saving.  So 10% more memory must buy 3% of
+    a forward pass.  Both are relative to the least peak: the chosen peak
+    grows with the model as the least one does (about sqrt(depth) on a chain
+    or a residual net).  (``gradients`` accepts ``memory_budget`` with
+    'memory' only; called directly with one, this is 'memory'.)
+    """
+    return memory_checkpoints(ys, xs, region, memory_budget, unknown_dim, trade=True)
+
+
+#: Without a budget, 'memory' takes the least recomputation among plans whose
+#: predicted peak is at most this fraction above the least one found.
+LEAST_PEAK_TOLERANCE = 0.05
+
+#: Without a budget, 'balanced' weighs one least peak of memory as this many
 #: forward passes of recomputation ...
 MEMORY_WEIGHT = 0.3
 #: ... lets its peak exceed the least one by at most this fraction of it ...
@@ -132,8 +155,9 @@ FLOOR_PROBES = (1.1,)
 
 
 @_gc.without_cyclic_gc
-def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1) -> list:
-    """The 'memory' strategy's choice of checkpoint tensors.
+def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
+                       trade: bool = False) -> list:
+    """The 'memory' (``trade=False``) or 'balanced' (``trade=True``) choice of checkpoints.
 
     The dynamic program of :mod:`.budget` uses a coarse model of a segment's
     memory; each plan it proposes is checked with the finer model of
@@ -164,10 +188,12 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
         key = tuple(solution[0])
         if key not in simulated:
             tensors = [t for i in solution[0] for t in recomputable[i - 1]]
-            peak = simulate.predict_checkpointed(
+            predicted = simulate.predict_checkpointed(
                 region, ys, xs, tensors, unknown_dim, fetched, size
-            ).peak_bytes
-            simulated[key] = (peak, solution[1], tensors)
+            )
+            # (simulated peak, the program's recomputation, tensors, simulated recomputation)
+            simulated[key] = (predicted.peak_bytes, solution[1], tensors,
+                              predicted.recompute_work)
         return simulated[key]
 
     def least_feasible():
@@ -192,12 +218,29 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
         floors, lowest = least_feasible()
         if lowest is None or lowest[0] >= baseline:
             return []
-        limit = lowest[0] + min(MEMORY_SLACK * lowest[0], SAVING_SLACK * (baseline - lowest[0]))
+        if trade:
+            limit = lowest[0] + min(MEMORY_SLACK * lowest[0],
+                                    SAVING_SLACK * (baseline - lowest[0]))
+        else:
+            limit = lowest[0] * (1 + LEAST_PEAK_TOLERANCE)
         candidates = [lowest]
         for problem, floor, at_floor in floors:
             candidates += _probes(lambda b: proposal(problem, b), floor, at_floor, limit)
-        chosen = _best_trade(candidates, lowest[0], limit, float(problems[0].work_prefix[-1]))
+        if trade:
+            chosen = _best_trade(candidates, lowest[0], limit, float(problems[0].work_prefix[-1]))
+        else:
+            # a probe may simulate lower than the floors' plans: 5% of the least of all
+            least = min(p[0] for p in candidates)
+            chosen = min((p for p in candidates if p[0] <= least * (1 + LEAST_PEAK_TOLERANCE)),
+                         key=lambda p: (p[1], p[0]))
         return chosen[2] if chosen[0] < baseline else lowest[2]
+    if simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, size).peak_bytes <= \
+            memory_budget:
+        return []  # plain tf.gradients fits: nothing to recompute
+    # Plans of other shapes: the DP's cuts are live sets along one order, and at
+    # large budgets 'speed' (every convolution's output kept) can recompute less.
+    others = [_simulated(region, ys, xs, speed(ys, xs, region), unknown_dim, fetched, size)]
+    others = [p for p in others if p and p[0] <= memory_budget]
     for problem in problems:
         target = float(memory_budget)
         for _ in range(5):
@@ -205,21 +248,37 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1)
             if found is None:
                 break
             if found[0] <= memory_budget:
-                return found[2]
+                return min([found] + others, key=lambda p: (p[3], p[0]))[2]
             target *= 0.97 * memory_budget / found[0]
     floors, lowest = least_feasible()
     proposals = [lowest] + [proposal(problem, floor + 0.15 * memory_budget)
                             for problem, floor, _ in floors]
     proposals = [p for p in proposals if p]
-    fitting = [p for p in proposals if p[0] <= memory_budget]
+    fitting = [p for p in proposals if p[0] <= memory_budget] + others
     if fitting:
-        return min(fitting, key=lambda p: (p[1], p[0]))[2]
+        return min(fitting, key=lambda p: (p[3], p[0]))[2]
     lowest = min((p[0] for p in proposals), default=float("nan"))
     raise ValueError(
         f"memory_budget={memory_budget / 2**20:.1f} MB cannot be met: the smallest peak "
         f"the memory model finds for this graph is {lowest / 2**20:.1f} MB "
         f"({lowest} bytes). Raise the budget, or reduce the batch size."
     )
+
+
+def _simulated(region, ys, xs, tensors, unknown_dim, fetched, size):
+    """``(peak, recompute work, tensors, recompute work)`` of a given list of checkpoints
+    (the shape of the planner's proposals, simulated), or None if
+    none of them lies between xs and ys."""
+    excluded = {t.ref() for t in list(ys) + list(xs)}
+    kept = {}
+    for t in tensors:
+        if t.ref() not in excluded and region.produces(t) and region.is_recomputable(t.op):
+            kept.setdefault(t.ref(), t)
+    if not kept:
+        return None
+    kept = sorted(kept.values(), key=graph_lib.tensor_order)
+    predicted = simulate.predict_checkpointed(region, ys, xs, kept, unknown_dim, fetched, size)
+    return predicted.peak_bytes, predicted.recompute_work, kept, predicted.recompute_work
 
 
 def _probes(proposal, floor, at_floor, limit) -> list:

@@ -2,6 +2,13 @@
 Deep Residual Networks"), basic two-conv units.
 
 Sizes (``DEFAULTS``): depth=20, batch=8, width=16, classes=10, image_size=32.
+Variants: ``batch_norm=False`` leaves out every batch norm (the units then
+start with a plain relu); ``projections='all'`` gives every unit a 1x1
+projection shortcut (the original tool's test ResNet), ``'needed'`` only
+where the stride or width changes; ``matmul_shortcuts=k`` writes the first k
+projection shortcuts as a matrix product over the reshaped (and, for
+stride 2, subsampled) activation instead of a 1x1 convolution: the same
+values, a different graph.
 ``depth`` must be 6n+2 (20, 32, 44, 56, 110, 218, ...), else ValueError;
 each of the three stages has n units, so there are 3n units in all.
 
@@ -40,7 +47,8 @@ import tensorflow as tf
 from . import common
 
 NAME = 'resnet'
-DEFAULTS = dict(depth=20, batch=8, width=16, classes=10, image_size=32)
+DEFAULTS = dict(depth=20, batch=8, width=16, classes=10, image_size=32,
+                batch_norm=True, projections='needed', matmul_shortcuts=0)
 BN_EPSILON = 1e-5
 
 
@@ -95,16 +103,23 @@ def make_params(seed=0, **size):
     p = common.Params(cfg, scope=NAME)
     w = cfg['width']
     p.add('conv0/w', _conv_w(rng, 3, 3, w))
+    if cfg['projections'] not in ('needed', 'all'):
+        raise ValueError("projections must be 'needed' or 'all', got %r"
+                         % (cfg['projections'],))
+    bn = cfg['batch_norm']
     for stage, unit, cin, cout, stride in _unit_layout(cfg):
         pre = 'stage%d/unit%d' % (stage, unit)
-        _add_bn(p, pre + '/bn1', cin)
+        if bn:
+            _add_bn(p, pre + '/bn1', cin)
         p.add(pre + '/conv1/w', _conv_w(rng, 3, cin, cout))
-        _add_bn(p, pre + '/bn2', cout)
+        if bn:
+            _add_bn(p, pre + '/bn2', cout)
         p.add(pre + '/conv2/w', _conv_w(rng, 3, cout, cout))
-        if stride != 1 or cin != cout:
+        if _projection(cfg, cin, cout, stride):
             p.add(pre + '/shortcut/w', _conv_w(rng, 1, cin, cout))
     final = 4 * w
-    _add_bn(p, 'bn_final', final)
+    if bn:
+        _add_bn(p, 'bn_final', final)
     p.add('fc/w', common.glorot_uniform(rng, [final, cfg['classes']], final,
                                         cfg['classes']))
     p.add('fc/b', np.zeros([cfg['classes']], np.float32))
@@ -128,8 +143,15 @@ def make_inputs(seed=0, **size):
     return [images, labels]
 
 
+def _projection(cfg, cin, cout, stride):
+    return cfg['projections'] == 'all' or stride != 1 or cin != cout
+
+
 def batch_norm(x, p, prefix, training):
-    """Fused batch norm: batch statistics if training, else moving stats."""
+    """Fused batch norm: batch statistics if training, else moving stats;
+    the identity when the model has no batch norm."""
+    if not p.config.get('batch_norm', True):
+        return x
     if training:
         y, _, _ = tf.compat.v1.nn.fused_batch_norm(
             x, p[prefix + '/gamma'], p[prefix + '/beta'],
@@ -147,10 +169,23 @@ def _conv(x, w, stride):
     return tf.nn.conv2d(x, w, strides=[1, stride, stride, 1], padding='SAME')
 
 
-def _make_unit(p, pre, stride, projection, training):
+def _matmul_shortcut(x, w, stride):
+    """A 1x1 convolution written as a matrix product: same values."""
+    if stride != 1:
+        x = x[:, ::stride, ::stride, :]
+    shape = tf.shape(x)
+    cin, cout = w.shape[2], w.shape[3]
+    flat = tf.reshape(x, [-1, cin])
+    out = tf.matmul(flat, tf.reshape(w, [cin, cout]))
+    return tf.reshape(out, tf.concat([shape[:3], [cout]], 0))
+
+
+def _make_unit(p, pre, stride, projection, training, as_matmul=False):
     def unit(x):
         preact = tf.nn.relu(batch_norm(x, p, pre + '/bn1', training))
-        if projection:
+        if projection and as_matmul:
+            shortcut = _matmul_shortcut(preact, p[pre + '/shortcut/w'], stride)
+        elif projection:
             shortcut = _conv(preact, p[pre + '/shortcut/w'], stride)
         else:
             shortcut = x
@@ -166,9 +201,13 @@ def forward(params, images, labels, unit_wrapper=None, training=True):
     cfg = p.config
     units = []
     x = _conv(images, p['conv0/w'], 1)
+    projections = 0
     for stage, unit, cin, cout, stride in _unit_layout(cfg):
         pre = 'stage%d/unit%d' % (stage, unit)
-        fn = _make_unit(p, pre, stride, stride != 1 or cin != cout, training)
+        projection = _projection(cfg, cin, cout, stride)
+        as_matmul = projection and projections < cfg.get('matmul_shortcuts', 0)
+        projections += projection
+        fn = _make_unit(p, pre, stride, projection, training, as_matmul)
         x = common.apply_unit(fn, x, unit_wrapper)
         units.append(x)
     y = tf.nn.relu(batch_norm(x, p, 'bn_final', training))

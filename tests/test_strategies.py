@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import graph as graph_lib, profiling, strategies
+from memory_saving_gradients import graph as graph_lib, memo, profiling, strategies
 import test_models
 
 MB = 2.0**20
@@ -194,12 +194,12 @@ def test_infeasible_budget_states_smallest_peak():
     ids=["chain100", "resnet56-b8", "resnet110-b32", "gpt12"],
 )
 def test_memory_strategy_peak_and_plan_accuracy(name, size, bound):
-    """Measured peak within the issue's bound; plan() within +-25% for both variants."""
+    """Measured peak within the issue's bound; plan() within +-10% for both variants."""
     base, base_plan = _measure(name, "tf", **size)
     ours, our_plan = _measure(name, "memory", **size)
     assert ours <= bound * base, f"{ours / MB:.1f} MB vs {base / MB:.1f} MB"
-    assert abs(base_plan.baseline_peak_bytes - base) <= 0.25 * base
-    assert abs(our_plan.predicted_peak_bytes - ours) <= 0.25 * ours
+    assert abs(base_plan.baseline_peak_bytes - base) <= 0.10 * base
+    assert abs(our_plan.predicted_peak_bytes - ours) <= 0.10 * ours
 
 
 def test_budget_beats_uniform_on_resnet110():
@@ -212,7 +212,8 @@ def test_budget_beats_uniform_on_resnet110():
 
 
 def test_budgets_are_met_and_monotone():
-    """Budgets of 0.4, 0.6, 0.8 of the baseline: measured peaks within 1.15x, rising."""
+    """Budgets of 0.4, 0.6, 0.8 of the baseline: measured peaks within 1.15x, rising
+    (within 1%)."""
     size = dict(depth=56, batch=8)
     base, base_plan = _measure("resnet", "tf", **size)
     peaks = []
@@ -221,11 +222,12 @@ def test_budgets_are_met_and_monotone():
         ours, _ = _measure("resnet", "memory", memory_budget=budget, **size)
         assert ours <= 1.15 * budget, (fraction, ours / MB, budget / MB)
         peaks.append(ours)
-    assert peaks[0] <= peaks[1] <= peaks[2], [p / MB for p in peaks]
+    # rising; the same plan may serve two budgets (then its peaks differ by jitter only)
+    assert peaks[0] <= 1.01 * peaks[1] and peaks[1] <= 1.01 * peaks[2], [p / MB for p in peaks]
 
 
 def test_strategies_registry():
-    assert {"collection", "speed", "memory"} <= set(msg.available_strategies())
+    assert {"collection", "speed", "memory", "balanced"} <= set(msg.available_strategies())
     with pytest.raises(ValueError, match="Unknown checkpoint strategy"):
         strategies.get("fastest")
 
@@ -271,7 +273,7 @@ def _training_peak(model, checkpoints):
     """Predicted peak as 'memory' judges it: each gradient used as soon as it is made."""
     from memory_saving_gradients import checkpointing, simulate
 
-    problem = checkpointing._prepare(model.loss, model.params)
+    problem = checkpointing._prepare(model.loss, _xs(model))
     if not checkpoints:
         return simulate.predict_baseline(problem.region, problem.ys, problem.xs,
                                          fetched=False).peak_bytes
@@ -279,14 +281,18 @@ def _training_peak(model, checkpoints):
                                          fetched=False).peak_bytes
 
 
-def test_memory_trades_peak_for_recomputation_within_its_slack(monkeypatch):
-    """The default plan recomputes no more than the least-peak plan, and peaks at most
+def test_balanced_trades_peak_for_recomputation_within_its_slack(monkeypatch):
+    """'balanced' recomputes no more than the least-peak plan, and peaks at most
     MEMORY_SLACK above it; weighing memory above everything gives the least peak."""
     with tf.Graph().as_default():
         model = test_models.build("resnet", depth=56, batch=8)
-        default = msg.plan(model.loss, model.params, checkpoints="memory")
+        default = msg.plan(model.loss, model.params, checkpoints="balanced")
         monkeypatch.setattr(strategies, "MEMORY_WEIGHT", 1e6)
-        least = msg.plan(model.loss, model.params, checkpoints="memory")
+        memo.forget()  # plans are remembered by graph structure: plan again
+        try:
+            least = msg.plan(model.loss, model.params, checkpoints="balanced")
+        finally:
+            memo.forget()
         default_peak = _training_peak(model, default.checkpoints)
         least_peak = _training_peak(model, least.checkpoints)
         baseline = _training_peak(model, [])
@@ -294,6 +300,36 @@ def test_memory_trades_peak_for_recomputation_within_its_slack(monkeypatch):
     assert default.recompute_cost <= least.recompute_cost
     assert default_peak <= least_peak + min(strategies.MEMORY_SLACK * least_peak,
                                             strategies.SAVING_SLACK * (baseline - least_peak))
+
+
+@pytest.mark.parametrize("name,size", [
+    ("resnet", dict(depth=56, batch=8)),
+    ("resnet", dict(depth=110, batch=32)),
+    ("transformer", dict(layers=4, d_model=128, seq_len=128, batch=8)),
+    ("unet", dict()),
+], ids=["resnet56", "resnet110", "gpt4", "unet"])
+def test_memory_takes_the_least_peak(monkeypatch, name, size):
+    """'memory' predicts within 5% of the least peak the planner finds ('balanced'
+    weighing memory above everything), never above 'balanced', and recomputes no
+    more than that least-peak plan."""
+    with tf.Graph().as_default():
+        model = test_models.build(name, **size)
+        xs = _xs(model)
+        ours = msg.plan(model.loss, xs, checkpoints="memory")
+        trade = msg.plan(model.loss, xs, checkpoints="balanced")
+        monkeypatch.setattr(strategies, "MEMORY_WEIGHT", 1e6)
+        monkeypatch.setattr(strategies, "SCORE_TIE", 0.0)
+        memo.forget()  # plans are remembered by graph structure: plan again
+        try:
+            least = msg.plan(model.loss, xs, checkpoints="balanced")
+        finally:
+            memo.forget()
+        ours_peak, trade_peak, least_peak = (
+            _training_peak(model, p.checkpoints) for p in (ours, trade, least))
+    assert ours_peak <= (1 + strategies.LEAST_PEAK_TOLERANCE) * least_peak, (
+        ours_peak / MB, least_peak / MB)
+    assert ours_peak <= trade_peak, (ours_peak / MB, trade_peak / MB)
+    assert ours.recompute_cost <= least.recompute_cost + 1e-9
 
 
 def test_memory_peak_grows_as_sqrt_depth_not_as_depth():

@@ -71,6 +71,11 @@ def parser() -> argparse.ArgumentParser:
                    help="graph sizes (ops, comma-separated) for the rewrite-time rows of "
                    "memory_saving_gradients.scaling; 'none' to skip (default 2500,10000, about "
                    "a minute; quick: none; issue-sized: 10000,100000, many minutes)")
+    p.add_argument("--frontier", type=int, default=0, metavar="N",
+                   help="also measure N 'memory' runs with memory_budget from the least "
+                   "predicted peak to tf.gradients' (even in ratio), timed with the anchors; "
+                   "writes pareto.png (needs the 'memory' variant; 0: off, the default, "
+                   "as 8 points on the default models take longer than the 15-minute sweep)")
     p.add_argument("--xla", action="store_true",
                    help="also compile each model's gradient step with tf.function(jit_compile="
                    "True): XLA temp memory (its buffer assignment) and step time of "
@@ -147,7 +152,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"Benchmark: {len(specs)} model sizes x {len(runnable)} variants on "
           f"{device or 'the default device (CPU)'}; output in {args.out}/")
     rows = sweep.run_sweep(specs, runnable, steps=steps, budget_fraction=args.budget_fraction,
-                           device=device, progress=not args.no_progress)
+                           device=device, progress=not args.no_progress,
+                           frontier=args.frontier)
 
     fit_results = None
     if args.cap_mb > 0 and "resnet" in _csv(args.models):
@@ -304,7 +310,16 @@ def _scaling_section(sizes: List[int]) -> Optional[str]:
     rows = scaling.rewrite_times(sizes=sizes, on_row=lambda r: print(
         f"  {r['model']} {r['size_key']}={r['size']}: {r['ops']} ops, tf.gradients "
         f"{r['tf_seconds']:.2f} s, gradients() {r['ours_seconds']:.2f} s", flush=True))
-    return scaling.markdown_table(rows)
+    table = scaling.markdown_table(rows)
+    if hasattr(scaling, "warm_build_ratio"):
+        try:
+            r = scaling.warm_build_ratio()
+        except ImportError:  # no test_models: no ResNet-110 row
+            return table
+        table += (f"\n\nResNet-{r['depth']} batch {r['batch']} ({r['ops']} ops), both warmed up, "
+                  f"best of 2: tf.gradients {r['tf_seconds']:.3f} s, gradients(checkpoints="
+                  f"{r['checkpoints']!r}) {r['ours_seconds']:.3f} s: {r['ratio']:.2f}x.")
+    return table
 
 
 def _load() -> str:

@@ -132,6 +132,7 @@ class Result:
     variant: str
     peak_bytes: Optional[int] = None
     median_step_seconds: Optional[float] = None
+    median_step_cpu_seconds: Optional[float] = None  # CPU seconds of this process per step
     rewrite_seconds: Optional[float] = None
     predicted_peak_bytes: Optional[int] = None
     grads_equal: Optional[bool] = None
@@ -331,6 +332,7 @@ class Prepared:
         self._fetches = fetches
         self._feed = feed
         self.times: list = []
+        self.cpu_times: list = []
 
     @property
     def ready(self) -> bool:
@@ -338,13 +340,17 @@ class Prepared:
 
     def step(self, record: bool = True) -> float:
         """Run one untraced step; return (and record, unless told not to) its seconds."""
+        cpu_start = time.process_time()
         start = time.perf_counter()
         self._session.run(self._fetches, self._feed)
         elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
         if not record:
             return elapsed
         self.times.append(elapsed)
+        self.cpu_times.append(cpu)
         self.result.median_step_seconds = statistics.median(self.times)
+        self.result.median_step_cpu_seconds = statistics.median(self.cpu_times)
         return elapsed
 
     def close(self) -> None:

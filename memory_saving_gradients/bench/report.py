@@ -15,15 +15,25 @@ import numpy as np
 
 from .core import MB
 
+FRONTIER = "frontier"
+#: Variants a frontier is compared with (the anchors), besides tf.gradients.
+ANCHORS = ("grappler-recompute", "recompute_grad", "collection", "speed", "memory")
+#: 'memory' counts as the least peak when within this of every other variant's.
+LEAST_PEAK_SLACK = 0.03
+#: A frontier point "peaks no higher" than an anchor within this (measured peaks of
+#: the same graph move by about this much between runs).
+PEAK_JITTER = 0.01
+
 COLUMNS = [
     "model", "size", "batch", "variant", "peak_mb", "peak_ratio", "step_s", "time_ratio",
-    "rewrite_s", "predicted_peak_mb", "grads_equal", "note",
+    "cpu_ratio", "rewrite_s", "predicted_peak_mb", "grads_equal", "note",
 ]
 
 HEADERS = {
     "model": "model", "size": "size", "batch": "batch", "variant": "variant",
     "peak_mb": "peak MB", "peak_ratio": "peak / tf.gradients", "step_s": "step s (median)",
-    "time_ratio": "time / tf.gradients", "rewrite_s": "rewrite s",
+    "time_ratio": "time / tf.gradients", "cpu_ratio": "CPU time / tf.gradients",
+    "rewrite_s": "rewrite s",
     "predicted_peak_mb": "plan() predicted MB", "grads_equal": "grads equal", "note": "note",
 }
 
@@ -55,6 +65,7 @@ def row_dict(row) -> Dict[str, object]:
         "peak_ratio": row.peak_ratio,
         "step_s": res.median_step_seconds,
         "time_ratio": row.time_ratio,
+        "cpu_ratio": getattr(row, "cpu_ratio", None),
         "rewrite_s": res.rewrite_seconds if res.ok else None,
         "predicted_peak_mb": (None if res.predicted_peak_bytes is None
                               else res.predicted_peak_bytes / MB),
@@ -76,7 +87,7 @@ def _fmt(column: str, value) -> str:
         return ""
     if column in ("peak_mb", "predicted_peak_mb"):
         return f"{value:.1f}"
-    if column in ("peak_ratio", "time_ratio"):
+    if column in ("peak_ratio", "time_ratio", "cpu_ratio"):
         return f"{value:.3f}x" if column == "peak_ratio" else f"{value:.2f}x"
     if column in ("step_s", "rewrite_s"):
         return f"{value:.3f}" if value < 10 else f"{value:.1f}"
@@ -116,7 +127,7 @@ def series(rows, model: str = "resnet", key: str = "depth") -> Dict[str, List[Tu
     out: Dict[str, List[Tuple[float, float]]] = {}
     for row in rows:
         res = row.result
-        if res.model != model or not res.ok:
+        if res.model != model or not res.ok or res.variant == FRONTIER:
             continue
         value = _size_value(res.size, key)
         if value is None:
@@ -211,7 +222,7 @@ def plot_time_overhead(rows, path: str) -> Optional[str]:
     plt = _pyplot()
     groups: Dict[str, Dict[str, float]] = {}
     for row in rows:
-        if row.time_ratio is None:
+        if row.time_ratio is None or row.result.variant == FRONTIER:
             continue
         res = row.result
         label = f"{res.model}\n{res.size}".replace(" ", "\n", 1) if len(res.size) < 18 else (
@@ -273,6 +284,131 @@ def plot_loss_curves(curves, path: str) -> Optional[str]:
     return path
 
 
+def _groups(rows) -> Dict[Tuple[str, str], list]:
+    out: Dict[Tuple[str, str], list] = {}
+    for row in rows:
+        out.setdefault((row.result.model, row.result.size), []).append(row)
+    return out
+
+
+def _label(model: str, size: str) -> str:
+    return f"{model} {_short_size(size)}".strip()
+
+
+def frontier_checks(rows) -> List[Dict[str, object]]:
+    """Per model size with a frontier, per anchor: the anchor's measured peak and time
+    ratios, and the least time ratio of a frontier point (or 'memory') whose
+    measured peak is at most the anchor's, in CPU time and in wall time.
+    ``ok``: in CPU time, not slower than the anchor by more than twice the
+    group's CPU-time noise (on a shared machine, wall time is far noisier)."""
+    checks = []
+    for (model, size), group in _groups(rows).items():
+        curve = [r for r in group if r.result.variant in (FRONTIER, "memory")
+                 and r.peak_ratio is not None and r.cpu_ratio is not None]
+        if not any(r.result.variant == FRONTIER for r in curve):
+            continue
+        noise = next((r.noise for r in group if r.noise is not None), None)
+        cpu_noise = next((r.cpu_noise for r in group if r.cpu_noise is not None), None)
+        for anchor in group:
+            if anchor.result.variant not in ANCHORS + ("tf.gradients",) or anchor.cpu_ratio is None:
+                continue
+            below = [r for r in curve if r.peak_ratio <= anchor.peak_ratio * (1 + PEAK_JITTER)]
+            ours = min((r.cpu_ratio for r in below), default=None)
+            ours_wall = min((r.time_ratio for r in below if r.time_ratio is not None), default=None)
+            ok = None if ours is None else ours <= anchor.cpu_ratio * (1 + 2 * (cpu_noise or 0))
+            checks.append(dict(model=_label(model, size), anchor=anchor.result.variant,
+                               peak_ratio=anchor.peak_ratio, cpu_ratio=anchor.cpu_ratio,
+                               ours=ours, cpu_noise=cpu_noise, time_ratio=anchor.time_ratio,
+                               ours_wall=ours_wall, noise=noise, ok=ok))
+    return checks
+
+
+def least_peak_checks(rows) -> List[Dict[str, object]]:
+    """Per model size: 'memory''s measured peak against the least of every other
+    checkpointing variant (recompute_grad, collection, speed, budgets, frontier)."""
+    checks = []
+    others_of = ("recompute_grad", "collection", "speed", "memory+budget", FRONTIER)
+    for (model, size), group in _groups(rows).items():
+        ours = next((r for r in group if r.result.variant == "memory" and r.result.ok), None)
+        others = [r for r in group if r.result.variant in others_of and r.result.ok]
+        if ours is None or not others:
+            continue
+        best = min(others, key=lambda r: r.result.peak_bytes)
+        ratio = ours.result.peak_bytes / best.result.peak_bytes
+        checks.append(dict(model=_label(model, size), memory_mb=ours.result.peak_bytes / MB,
+                           least_other=best.result.variant, other_mb=best.result.peak_bytes / MB,
+                           ratio=ratio, ok=ratio <= 1 + LEAST_PEAK_SLACK))
+    return checks
+
+
+def frontier_table(checks) -> str:
+    def ratio(value):
+        return "none" if value is None else f"{value:.2f}x"
+
+    def pct(value):
+        return "" if value is None else f"{100 * value:.0f}%"
+
+    lines = ["| model | anchor | anchor peak / tf.gradients | anchor CPU time | frontier's least "
+             "CPU time at <= that peak | CPU noise | anchor wall time | frontier's least wall "
+             "time | wall noise | not slower (CPU) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in checks:
+        ok = "" if c["ok"] is None else ("yes" if c["ok"] else "NO")
+        lines.append(f"| {c['model']} | {c['anchor']} | {c['peak_ratio']:.3f} | "
+                     f"{ratio(c['cpu_ratio'])} | {ratio(c['ours'])} | {pct(c['cpu_noise'])} | "
+                     f"{ratio(c['time_ratio'])} | {ratio(c['ours_wall'])} | {pct(c['noise'])} | "
+                     f"{ok} |")
+    return "\n".join(lines)
+
+
+def least_peak_table(checks) -> str:
+    lines = ["| model | 'memory' peak MB | least other variant | its peak MB | ratio | "
+             f"within {100 * LEAST_PEAK_SLACK:.0f}% |", "|---|---|---|---|---|---|"]
+    for c in checks:
+        lines.append(f"| {c['model']} | {c['memory_mb']:.1f} | {c['least_other']} | "
+                     f"{c['other_mb']:.1f} | {c['ratio']:.3f} | {'yes' if c['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def plot_pareto(rows, path: str) -> Optional[str]:
+    """Peak ratio against CPU-time ratio, one panel per model size with a frontier: the
+    budget sweep as a curve (in budget order), the anchors as labelled points."""
+    plt = _pyplot()
+    panels = [(key, group) for key, group in _groups(rows).items()
+              if any(r.result.variant == FRONTIER and r.peak_ratio is not None for r in group)]
+    if plt is None or not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8), squeeze=False)
+    markers = {"tf.gradients": "s", "grappler-recompute": "v", "recompute_grad": "^",
+               "collection": "D", "speed": "P", "memory": "*", "memory+budget": "X"}
+    for ax, ((model, size), group) in zip(axes[0], panels):
+        curve = sorted((r.peak_ratio, r.cpu_ratio) for r in group
+                       if r.result.variant in (FRONTIER, "memory")
+                       and r.cpu_ratio is not None and r.peak_ratio is not None)
+        ax.plot([t for _, t in curve], [p for p, _ in curve], "k.-", linewidth=1.5,
+                label="'memory' + memory_budget sweep (by budget)")
+        for r in group:
+            v = r.result.variant
+            if v == FRONTIER or r.cpu_ratio is None or r.peak_ratio is None:
+                continue
+            ax.plot(r.cpu_ratio, r.peak_ratio, markers.get(v, "o"), markersize=9 if v == "memory" else 7,
+                    label=v, alpha=0.85)
+        noise = next((r.cpu_noise for r in group if r.cpu_noise is not None), None)
+        title = _label(model, size) + (f" (CPU-time noise {100 * noise:.1f}%)" if noise else "")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("CPU time per step / tf.gradients'")
+        ax.set_ylabel("peak memory / tf.gradients")
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Memory/time frontier: lower left is better; all measured in the same run",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
                   header: str = "") -> Dict[str, str]:
     """Write results.csv, results.md and the PNGs; return {kind: path} of what was written."""
@@ -297,6 +433,7 @@ def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
         ("peak_png", lambda p: plot_peak_vs_depth(rows, p), "peak_vs_depth.png"),
         ("time_png", lambda p: plot_time_overhead(rows, p), "time_overhead.png"),
         ("loss_png", lambda p: plot_loss_curves(curves, p), "loss_curves.png"),
+        ("pareto_png", lambda p: plot_pareto(rows, p), "pareto.png"),
     ):
         result = fn(os.path.join(out_dir, name))
         if result:
@@ -308,6 +445,20 @@ def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
         md += ["## Peak memory vs ResNet depth: fitted exponent (MB = a * depth^b)", "",
                "| variant | exponent b |", "|---|---|"]
         md += [f"| {v} | {b:.2f} |" for v, b in exps.items()] + [""]
+    least = least_peak_checks(rows)
+    if least:
+        md += ["## 'memory' takes the least peak", "",
+               "'memory''s measured peak against the least of every other checkpointing "
+               "variant of the same model size (per-unit recompute_grad, 'collection', "
+               "'speed', budgets, frontier points).", "", least_peak_table(least), ""]
+    frontier = frontier_checks(rows)
+    if frontier:
+        md += ["## Frontier against the anchors", "",
+               "At each anchor's measured peak: the least step-time ratio of a frontier point "
+               "(or 'memory') that peaks no higher (within 1%), in CPU seconds of the process per step and "
+               "in wall seconds. Noise: the median over the variants of the half interquartile "
+               "range of their step times, relative to their median. 'not slower': in CPU time, "
+               "within twice the CPU-time noise.", "", frontier_table(frontier), ""]
     if fits:
         md += [f"## Fits in {fits[0].cap_mb:g} MB", "", fits_table(fits), ""]
     if curves is not None:
@@ -320,7 +471,7 @@ def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
     for title, body in extra_sections:
         md += [f"## {title}", "", body, ""]
     for kind, label in (("peak_png", "Peak vs depth"), ("time_png", "Time overhead"),
-                        ("loss_png", "Loss curves")):
+                        ("loss_png", "Loss curves"), ("pareto_png", "Memory/time frontier")):
         if kind in written:
             md.append(f"![{label}]({os.path.basename(written[kind])})")
     path = os.path.join(out_dir, "results.md")

@@ -4,17 +4,26 @@ For one model size, every variant is prepared (built, traced for its peak,
 gradients checked) in its own graph and session; then their steps are
 timed in turn (:func:`core.time_interleaved`), so that ratios compare
 variants measured in the same process under the same load.
+
+With ``frontier`` points, each model size also gets that many
+``checkpoints='memory'`` runs with ``memory_budget`` spaced evenly in ratio
+from the least predicted peak ('memory''s own plan) to plain
+``tf.gradients``' predicted peak: the memory/time frontier, timed in the
+same interleaved rounds as the anchors (variant ``'frontier'``).  Each
+group's timing noise (:func:`timing_noise`) is kept on its rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Callable, List, Optional, Sequence
 
 from . import core
 from .core import ModelSpec, Result
 
 BASELINE = "tf.gradients"
+FRONTIER = "frontier"
 
 
 @dataclasses.dataclass
@@ -24,6 +33,9 @@ class Row:
     result: Result
     peak_ratio: Optional[float] = None
     time_ratio: Optional[float] = None
+    cpu_ratio: Optional[float] = None  # of CPU seconds per step (all threads of the process)
+    noise: Optional[float] = None  # the group's wall-time noise (see timing_noise)
+    cpu_noise: Optional[float] = None  # the same for CPU time
 
     def __getattr__(self, name):  # the Result's fields read through
         return getattr(self.result, name)
@@ -37,9 +49,11 @@ def run_sweep(
     device: str = "",
     progress: bool = True,
     on_row: Optional[Callable[[Row], None]] = None,
+    frontier: int = 0,
 ) -> List[Row]:
-    """Measure every spec with every variant; rows in spec, then variant order."""
-    bar = _progress(len(specs) * len(variants), progress)
+    """Measure every spec with every variant; rows in spec, then variant order
+    (then the ``frontier`` budget points, from the least peak up)."""
+    bar = _progress(len(specs) * (len(variants) + frontier), progress)
     rows: List[Row] = []
     try:
         for spec in specs:
@@ -49,13 +63,21 @@ def run_sweep(
                 prepared.append(core.prepare(spec, variant, budget_fraction=budget_fraction,
                                              device=device))
                 bar.update(1)
+            for budget in frontier_budgets(prepared, frontier):
+                bar.set_description(f"{spec.name} {spec.size_label} frontier"[:60])
+                point = core.prepare(spec, "memory+budget", budget_bytes=budget, device=device)
+                point.result.variant = FRONTIER
+                prepared.append(point)
+                bar.update(1)
             try:
                 bar.set_description(f"{spec.name} {spec.size_label} timing"[:60])
                 core.time_interleaved(prepared, steps)
+                noise = timing_noise([p.times for p in prepared])
+                cpu_noise = timing_noise([p.cpu_times for p in prepared])
             finally:
                 for p in prepared:
                     p.close()
-            group = [Row(p.result) for p in prepared]
+            group = [Row(p.result, noise=noise, cpu_noise=cpu_noise) for p in prepared]
             add_ratios(group)
             rows.extend(group)
             if on_row:
@@ -79,6 +101,44 @@ def add_ratios(group: Sequence[Row]) -> None:
             row.peak_ratio = res.peak_bytes / base.result.peak_bytes
         if res.median_step_seconds is not None and base.result.median_step_seconds:
             row.time_ratio = res.median_step_seconds / base.result.median_step_seconds
+        if res.median_step_cpu_seconds and base.result.median_step_cpu_seconds:
+            row.cpu_ratio = res.median_step_cpu_seconds / base.result.median_step_cpu_seconds
+
+
+def frontier_budgets(prepared, points: int) -> List[int]:
+    """``points`` budgets from the least predicted peak to the baseline's, even in ratio.
+
+    The least peak is the 'memory' variant's prediction (planned here when the
+    sweep did not run that variant); the first budget is 1% above it, so that
+    rounding does not make it infeasible.
+    """
+    if points <= 0:
+        return []
+    least = base = None
+    for p in prepared:
+        res = p.result
+        if res.variant == "memory" and res.predicted_peak_bytes:
+            least = res.predicted_peak_bytes
+        if res.baseline_predicted_bytes:
+            base = res.baseline_predicted_bytes
+    if least is None or base is None:
+        return []
+    least *= 1.01
+    if points == 1 or base <= least:
+        return [int(least)]
+    return [int(least * (base / least) ** (k / (points - 1))) for k in range(points)]
+
+
+def timing_noise(times: Sequence[Sequence[float]]) -> Optional[float]:
+    """The run's timing noise: the median over variants of the half interquartile
+    range of a variant's step times, relative to its median.  Two time ratios
+    closer than about twice this are not told apart."""
+    spreads = []
+    for series in times:
+        if len(series) >= 4:
+            q = statistics.quantiles(series, n=4)
+            spreads.append((q[2] - q[0]) / 2 / statistics.median(series))
+    return statistics.median(spreads) if spreads else None
 
 
 class _NoBar:
