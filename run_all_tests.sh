@@ -42,8 +42,9 @@ if ! "$PY" -c "import tf_keras, keras_hub" >/dev/null 2>&1; then
 fi
 
 status=0
+optional=()
 
-# GPU comparison first, so that pytest's summary is the last thing printed.
+# GPU comparison first, so that pytest's summary comes at the end.
 gpus="$("$PY" -c "import tensorflow as tf; print(len(tf.config.list_physical_devices('GPU')))" 2>/dev/null | tail -n 1 || true)"
 case "$gpus" in
     ''|*[!0-9]*) gpus=0 ;;
@@ -51,13 +52,29 @@ esac
 if [ "$gpus" -gt 0 ]; then
     if [ -f benchmarks/gpu_resnet.py ]; then
         echo "run_all_tests: $gpus GPU(s) visible; running benchmarks/gpu_resnet.py"
-        "$PY" benchmarks/gpu_resnet.py || status=$?
+        if "$PY" benchmarks/gpu_resnet.py; then
+            optional+=("GPU ResNet comparison ran ($gpus GPU(s))")
+        else
+            status=$?
+            optional+=("GPU ResNet comparison ran and FAILED ($gpus GPU(s))")
+        fi
     else
         echo "run_all_tests: $gpus GPU(s) visible, but benchmarks/gpu_resnet.py does not exist; GPU ResNet comparison skipped"
     fi
 else
     echo "run_all_tests: TensorFlow sees no GPU; GPU ResNet comparison (benchmarks/gpu_resnet.py) skipped"
+    optional+=("GPU ResNet comparison skipped (TensorFlow sees no GPU)")
 fi
+for package in tf_keras keras_hub; do
+    version="$("$PY" -c "import $package; print($package.__version__)" 2>/dev/null | tail -n 1 || true)"
+    if [ -n "$version" ]; then
+        optional+=("$package $version tests ran")
+    else
+        optional+=("$package tests skipped ($package cannot be imported: pip install --no-deps tf-keras keras-hub, see docs/keras.md)")
+    fi
+done
 
 "$PY" -m pytest -q tests "$@" || status=$?
+summary="$(printf '%s; ' "${optional[@]}")"
+echo "run_all_tests: optional parts: ${summary%; }"
 exit "$status"

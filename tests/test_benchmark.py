@@ -126,7 +126,7 @@ def test_gradients_close_handles_sparse_and_detects_differences():
     assert core.gradients_close([None], [dense])[0] is False
 
 
-def test_cli_quick_writes_tables_and_plots(tmp_path):
+def test_cli_quick_writes_tables_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
     code = benchmark.main([
         "--quick", "--models", "resnet", "--variants", "tf.gradients,memory",
@@ -134,6 +134,10 @@ def test_cli_quick_writes_tables_and_plots(tmp_path):
         "--train-steps", "3", "--out", str(out), "--no-progress",
     ])
     assert code == 0
+    printed = capsys.readouterr().out
+    summary = printed.split("Summary (peak and CPU time", 1)[1]
+    assert "| resnet | depth=14 width=4 |" in summary and "memory: peak, CPU time" in summary
+    assert "Written: " in summary and str(out) in summary
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(r["model"], r["variant"]) for r in rows] == [

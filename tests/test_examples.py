@@ -23,7 +23,7 @@ def _example(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["keras_tf_data", "tf_keras_fit", "custom_loop"])
+@pytest.mark.parametrize("name", ["keras_tf_data", "tf_keras_fit", "custom_loop", "xla_step"])
 def test_training_examples_train_alike_and_save_memory(name):
     if name == "tf_keras_fit":
         pytest.importorskip("tf_keras", reason="tf-keras is a test extra (pip install tf-keras)")

@@ -206,6 +206,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"Training: {curves.steps} steps, largest relative loss difference "
               f"{curves.max_rel_diff:.2e}: {'same curve' if curves.same else 'CURVES DIFFER'}")
     print()
+    print("Summary (peak and CPU time per step, as ratios to tf.gradients):")
+    print(report.summary_table(rows))
+    print()
     print(f"Wall time {wall:.0f} s. Written: " + ", ".join(sorted(written.values())))
     bad = [r for r in rows if r.result.grads_equal is False]
     if bad:

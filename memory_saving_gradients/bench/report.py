@@ -113,6 +113,36 @@ def markdown_table(rows, columns: Sequence[str] = COLUMNS) -> str:
     return "\n".join(lines)
 
 
+#: Variants the terminal summary shows, when the sweep measured them.
+SUMMARY_VARIANTS = ("memory", "recompute_grad", "collection", "speed")
+
+
+def summary_table(rows) -> str:
+    """One line per model size: plain's peak, then peak and CPU-time ratios of
+    the main variants (the short table printed at the end of a run)."""
+    by_model: Dict[Tuple[str, str], Dict[str, Dict[str, object]]] = {}
+    for row in rows:
+        d = row_dict(row)
+        by_model.setdefault((d["model"], d["size"]), {})[d["variant"]] = d
+    variants = [v for v in SUMMARY_VARIANTS if any(v in m for m in by_model.values())]
+    lines = ["| model | size | tf.gradients MB | " + " | ".join(
+        f"{v}: peak, CPU time" for v in variants) + " |",
+             "|" + "|".join("---" for _ in range(3 + len(variants))) + "|"]
+    for (model, size), found in by_model.items():
+        plain = found.get("tf.gradients", {}).get("peak_mb")
+        cells = []
+        for v in variants:
+            d = found.get(v)
+            if d is None or d["peak_ratio"] is None:
+                cells.append("-")
+                continue
+            cpu = d.get("cpu_ratio") or d.get("time_ratio")
+            cells.append(f"{d['peak_ratio']:.3f}x, " + ("-" if cpu is None else f"{cpu:.2f}x"))
+        lines.append(f"| {model} | {size} | " + ("-" if plain is None else f"{plain:.1f}")
+                     + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def exponents(rows, model: str = "resnet", key: str = "depth") -> Dict[str, float]:
     """Per variant, the fitted exponent of peak vs ``key`` (needs >= 2 sizes)."""
     out = {}
