@@ -12,11 +12,9 @@ gradient, so recomputation happens just before it is needed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import numbers
-import threading
 from typing import Sequence, Union
 
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
@@ -24,6 +22,7 @@ from tensorflow.python.ops import resource_variable_ops as _resource_variable_op
 from ._tensorflow import tf, tf_gradients
 from . import graph as graph_lib
 from . import memo
+from ._nesting import Nesting
 from . import planning
 from . import rewrite
 from . import simulate
@@ -38,22 +37,13 @@ Checkpoints = Union[str, Sequence[tf.Tensor]]
 #: unless ``batch_size=`` states it.
 DEFAULT_BATCH_SIZE = 32
 
-_building = threading.local()  # .depth: gradients() calls running in this thread
+_inside_gradients = Nesting()  # gradients() calls running in this thread
 
 
 def building_gradients() -> bool:
     """Whether this thread is inside :func:`gradients` (tapes used by TensorFlow's
     own gradient functions then stay plain: the library never recurses into itself)."""
-    return getattr(_building, "depth", 0) > 0
-
-
-@contextlib.contextmanager
-def _inside_gradients():
-    _building.depth = getattr(_building, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _building.depth -= 1
+    return _inside_gradients.active()
 
 
 # Called from a tf.function, autograph would convert this library's code
@@ -114,7 +104,7 @@ def gradients(
         unconnected_gradients=unconnected_gradients,
     )
     unconnected = tf.UnconnectedGradients(unconnected_gradients)
-    with _inside_gradients():
+    with _inside_gradients:
         problem = _prepare(ys, xs)
         with problem.graph.as_default():
             stops = (

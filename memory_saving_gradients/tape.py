@@ -31,7 +31,6 @@ example the one inside ``tf.recompute_grad``'s gradient).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import threading
@@ -43,11 +42,13 @@ from ._tensorflow import tf
 from . import graph as graph_lib
 from .checkpointing import gradients as _checkpointed_gradients
 from .checkpointing import building_gradients
+from ._nesting import Nesting
 
 logger = logging.getLogger("memory_saving_gradients")
 
 _eager_warned = threading.Event()
-_local = threading.local()  # .plain: depth of jacobian calls (tape gradients stay plain)
+#: Inside ``jacobian``/``batch_jacobian`` (in this thread) tape gradients stay plain.
+plain_gradients = Nesting()
 
 #: TensorFlow's own GradientTape methods, captured before any hook is installed.
 ORIGINAL = {
@@ -138,19 +139,9 @@ def note_watch(tape, tensor) -> None:
             recording.watched[t.ref()] = t
 
 
-@contextlib.contextmanager
-def plain_gradients():
-    """Tape gradients in this thread stay TensorFlow's own (jacobians)."""
-    _local.plain = getattr(_local, "plain", 0) + 1
-    try:
-        yield
-    finally:
-        _local.plain -= 1
-
-
 def _plain_reason(tape) -> str | None:
     """Why this gradient call must be the tape's own, or None."""
-    if getattr(_local, "plain", 0):
+    if plain_gradients.active():
         return "jacobian"
     if building_gradients():
         return "inside the library"
@@ -351,11 +342,11 @@ class GradientTape(tf.GradientTape):
         )
 
     def jacobian(self, *args, **kwargs):
-        with plain_gradients():
+        with plain_gradients:
             return ORIGINAL["jacobian"](self, *args, **kwargs)
 
     def batch_jacobian(self, *args, **kwargs):
-        with plain_gradients():
+        with plain_gradients:
             return ORIGINAL["batch_jacobian"](self, *args, **kwargs)
 
 

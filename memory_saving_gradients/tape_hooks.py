@@ -123,12 +123,12 @@ def gradient(self, target, sources, output_gradients=None,
 
 
 def jacobian(self, *args, **kwargs):
-    with tape_lib.plain_gradients():
+    with tape_lib.plain_gradients:
         return _previous("jacobian")(self, *args, **kwargs)
 
 
 def batch_jacobian(self, *args, **kwargs):
-    with tape_lib.plain_gradients():
+    with tape_lib.plain_gradients:
         return _previous("batch_jacobian")(self, *args, **kwargs)
 
 
