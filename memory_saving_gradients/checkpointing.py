@@ -234,7 +234,7 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None, b
                 _warn_nothing_kept(checkpoints, ys, xs, region, options["unknown_dim"], unknown)
             return usable
 
-        if checkpoints == strategies.COLLECTION_NAME or not region.ops:
+        if checkpoints == "collection" or not region.ops:  # the collection can change
             usable = choose()
         else:
             key = (checkpoints, memory_budget, options["unknown_dim"],
@@ -272,7 +272,7 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown) -> Non
     """One warning that says why a strategy keeps nothing."""
     if not region.ops:
         why = "ys do not depend on xs through any op"
-    elif checkpoints == strategies.COLLECTION_NAME:
+    elif checkpoints == "collection":
         why = (f"the collection {strategies.COLLECTION_NAME!r} holds no tensor between "
                "xs and ys (add activations with tf.compat.v1.add_to_collection)")
     else:

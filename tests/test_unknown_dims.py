@@ -127,3 +127,18 @@ def test_same_values_with_an_unknown_batch(graph, run_both, assert_grads_match):
     got, want = run_both(ours, theirs, feed)
     assert_grads_match(ours, theirs, got, want)
     np.testing.assert_equal(len(got), len(xs))
+
+
+def test_the_collection_is_read_again_for_every_call():
+    """Plans are remembered by graph structure, but the collection can change: a
+    structurally identical graph whose collection is filled later must use it."""
+    memo.forget()
+    for filled in (False, True):
+        with tf.Graph().as_default() as g:
+            loss, xs, _ = _build("mlp", 8, True)
+            if filled:
+                for op in g.get_operations():
+                    if op.type == "Relu":
+                        tf.compat.v1.add_to_collection("checkpoints", op.outputs[0])
+            chosen = msg.plan(loss, xs, checkpoints="collection").checkpoints
+        assert bool(chosen) == filled, (filled, chosen)
