@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._tensorflow import tf, tf_gradients
 from . import checkpointing
+from . import memo
 from . import strategies
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -159,12 +160,14 @@ def warm_build_ratio(depth: int = 110, batch: int = 2, repeats: int = 2,
     One untimed build of each first (imports, TensorFlow's gradient registry,
     NumPy's first calls), then ``repeats`` builds of each, alternating, on
     fresh graphs; the best of each is kept (other work on a shared machine
-    only ever adds time).  CPU seconds (``time.process_time``), model building
-    excluded.
+    only ever adds time).  Remembered plans are forgotten before each build,
+    so every timed build plans (a retrace of the same step would not).  CPU
+    seconds (``time.process_time``), model building excluded.
     """
     import test_models  # a source checkout has it
 
     def one(ours: bool) -> Tuple[float, int]:
+        memo.forget()  # plan every time: an identical retrace would reuse the plan
         graph = tf.Graph()
         with graph.as_default():
             model = test_models.build("resnet", depth=depth, batch=batch)
