@@ -584,12 +584,9 @@ def _fmt(column: str, value) -> str:
 
 
 def markdown_table(rows: List[Row]) -> str:
-    lines = ["| " + " | ".join(HEADERS[c] for c in COLUMNS) + " |",
-             "|" + "|".join("---" for _ in COLUMNS) + "|"]
-    for r in rows:
-        d = row_dict(r)
-        lines.append("| " + " | ".join(_fmt(c, d[c]) for c in COLUMNS) + " |")
-    return "\n".join(lines)
+    from .report import markdown
+
+    return markdown(COLUMNS, HEADERS, (row_dict(r) for r in rows), _fmt)
 
 
 def write_csv(rows: List[Row], path: str) -> None:

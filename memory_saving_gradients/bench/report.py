@@ -104,13 +104,17 @@ def write_csv(rows, path: str) -> None:
                              for k, v in d.items()})
 
 
-def markdown_table(rows, columns: Sequence[str] = COLUMNS) -> str:
-    lines = ["| " + " | ".join(HEADERS[c] for c in columns) + " |",
+def markdown(columns: Sequence[str], headers: Dict[str, str], records, fmt) -> str:
+    """A Markdown table: one row per dict of ``records``, cells ``fmt(column, value)``."""
+    lines = ["| " + " | ".join(headers[c] for c in columns) + " |",
              "|" + "|".join("---" for _ in columns) + "|"]
-    for row in rows:
-        d = row_dict(row)
-        lines.append("| " + " | ".join(_fmt(c, d[c]) for c in columns) + " |")
+    for d in records:
+        lines.append("| " + " | ".join(fmt(c, d[c]) for c in columns) + " |")
     return "\n".join(lines)
+
+
+def markdown_table(rows, columns: Sequence[str] = COLUMNS) -> str:
+    return markdown(columns, HEADERS, (row_dict(row) for row in rows), _fmt)
 
 
 #: Variants the terminal summary shows, when the sweep measured them.
