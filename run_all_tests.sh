@@ -12,6 +12,14 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
+# TensorFlow turns its oneDNN CPU kernels on by default only on some CPUs (by its docs,
+# those with AVX-512 VNNI/BF16 or AMX; seen off on an AVX2-only AMD EPYC). Without them, TensorFlow's own (Eigen)
+# convolution gradients allocate transient workspaces of 14-27 MB per op at batch 8, two
+# at a time, which outweigh the activations the suite compares (docs/where-it-works.md).
+# So the suite runs on oneDNN kernels on every machine, unless you say otherwise:
+# TF_ENABLE_ONEDNN_OPTS=0 ./run_all_tests.sh
+export TF_ENABLE_ONEDNN_OPTS="${TF_ENABLE_ONEDNN_OPTS:-1}"
+
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 TF_CPU_VERSION="2.21.0"
 PY=".venv/bin/python"

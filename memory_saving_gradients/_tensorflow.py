@@ -29,4 +29,22 @@ from tensorflow.python.ops import gradients_impl as _gradients_impl
 #: TensorFlow's own ``tf.compat.v1.gradients``, captured before any patching.
 tf_gradients = _gradients_impl.gradients
 
-__all__ = ["tf", "tf_gradients"]
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow's oneDNN CPU kernels are on in this process.
+
+    TensorFlow decides at import, from ``TF_ENABLE_ONEDNN_OPTS`` or, when it is
+    unset, from the CPU (by TensorFlow's documentation on by default with
+    AVX-512 VNNI/BF16 or AMX; seen off on an AVX2-only AMD EPYC).  True when
+    TensorFlow does not say (other builds).
+    """
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:  # pragma: no cover - builds without the probe
+        return True
+    probe = getattr(_pywrap_util_port, "IsMklEnabled", None)
+    return True if probe is None else bool(probe())
+
+
+__all__ = ["tf", "tf_gradients", "onednn_enabled"]

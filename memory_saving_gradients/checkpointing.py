@@ -19,7 +19,7 @@ from typing import Sequence, Union
 
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
-from ._tensorflow import tf, tf_gradients
+from ._tensorflow import onednn_enabled, tf, tf_gradients
 from . import graph as graph_lib
 from . import memo
 from ._nesting import Nesting
@@ -117,6 +117,7 @@ def gradients(
             )
             if chosen is None:
                 return tf_gradients(ys, xs, grad_ys, **options)
+            _warn_unmodelled_workspaces(problem.region)
             logger.debug("checkpoints: %s", [t.name for t in chosen])
             with tf.name_scope(name or "gradients"):
                 return _backprop(
@@ -153,8 +154,27 @@ def plan(
     strategy = checkpoints if isinstance(checkpoints, str) else "list"
     return planning.make_plan(
         problem.ys, problem.xs, problem.region, chosen or [], strategy,
-        _unknown_dim(batch_size),
+        _unknown_dim(batch_size), onednn_enabled(), _gpu_visible(),
     )
+
+
+def _gpu_visible() -> bool:
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+_warned_workspaces = False
+
+
+def _warn_unmodelled_workspaces(region) -> None:
+    """Once per process: on CPU without oneDNN, convolution gradients' workspaces are
+    not in the model (and can outweigh what checkpointing saves)."""
+    global _warned_workspaces
+    if _warned_workspaces:
+        return
+    note = simulate.workspace_note(region, onednn_enabled(), _gpu_visible())
+    if note:
+        _warned_workspaces = True
+        logger.warning("%s.", note[0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +329,10 @@ def _backprop(
     colocate_gradients_with_ops, gate_gradients, aggregation_method,
 ) -> list:
     kept = graph_lib.boundary_tensors(region, ys, xs, checkpoints)
+    # gradients are only computed for kept tensors from which one can reach xs
+    carriers = graph_lib.gradient_carriers(
+        region, xs, rewrite.blocks_gradients, rewrite.is_trainable
+    )
     contributions: dict = {}
     totals: dict = {}
 
@@ -332,34 +356,40 @@ def _backprop(
     # A v1 while_loop/cond is one group (its last op stands for it), kept and
     # differentiated whole: its inner tensors are never targets.
     constructs = graph_lib.control_flow_constructs(region)
-    groups = sorted(
-        {constructs[t.op][-1] if t.op in constructs else t.op for t in kept.values() if t.op in region},
-        key=graph_lib.op_order, reverse=True,
+    producers = {
+        constructs[t.op][-1] if t.op in constructs else t.op
+        for t in kept.values() if t.op in region
+    }
+    groups = graph_lib.backward_groups(
+        region, kept, producers,
+        isolated=frozenset(op for op in producers if op in constructs or op in stop_ops),
     )
     previous_results: list = []
     # XLA drops control inputs: there, recomputed inputs also depend on the
     # incoming gradient through data (see rewrite.proxies).
     for_xla = graph_lib.builds_for_xla(ys[0].graph)
-    for index, op in enumerate(groups):
-        members = constructs.get(op, (op,))
+    for index, (group, segment) in enumerate(groups):
+        op = group[-1]
+        members = [m for g in group for m in constructs.get(g, (g,))]
         targets = [
             t for member in members for t in member.outputs
             if t.ref() in kept and contributions.get(t.ref())
         ]
         if not targets or op in stop_ops:
             continue
-        differentiated.add(op)
+        differentiated.update(group)
         target_grads = [total(t) for t in targets]
         if op in constructs:
             segment = graph_lib.construct_segment(members, targets, kept)
-        else:
-            segment = graph_lib.segment_for(targets, region, kept)
         incoming = [part for g in target_grads for part in rewrite.tensors_of(g)]
         waits = [t.op for t in targets] + [part.op for part in incoming] + _unfusable(
             previous_results, incoming
         )
         if segment.recompute:
             differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
+            segment_inputs = [t for t in differentiable if t.ref() in carriers]
+            if not segment_inputs:
+                continue
             inputs = rewrite.proxies(
                 differentiable, f"recompute_{index}/inputs", waits,
                 data_after=target_grads if for_xla else (),
@@ -368,7 +398,7 @@ def _backprop(
             try:
                 input_grads = tf_gradients(
                     [copies[t.ref()] for t in targets],
-                    list(inputs.values()),
+                    [inputs[t.ref()] for t in segment_inputs],
                     grad_ys=target_grads,
                     name=f"backprop_{index}",
                     colocate_gradients_with_ops=colocate_gradients_with_ops,
@@ -378,7 +408,6 @@ def _backprop(
                 )
             except LookupError as error:
                 raise _naming_original(error, segment.ops, copies) from error
-            segment_inputs = differentiable
         elif graph_lib.is_differentiable_in_place(op):
             with tf.name_scope(f"backprop_{index}"):
                 by_output = {t.ref(): g for t, g in zip(targets, target_grads)}
@@ -388,7 +417,7 @@ def _backprop(
                 )
             segment_inputs = list(op.inputs)
         else:
-            segment_inputs = list(segment.inputs)
+            segment_inputs = [t for t in segment.inputs if t.ref() in carriers]
             if not segment_inputs:
                 continue
             input_grads = tf_gradients(
@@ -399,7 +428,7 @@ def _backprop(
                 colocate_gradients_with_ops=colocate_gradients_with_ops,
                 gate_gradients=gate_gradients,
                 aggregation_method=aggregation_method,
-                stop_gradients=segment_inputs + list(stops),
+                stop_gradients=list(segment.inputs) + list(stops),
             )
         if segment.recompute:
             # The next recomputation waits for all of this one's gradients:
@@ -409,7 +438,7 @@ def _backprop(
                 part.op for g in input_grads if g is not None for part in rewrite.tensors_of(g)
             ] or previous_results
         for t, g in zip(segment_inputs, input_grads):
-            if g is not None and t.ref() in kept:
+            if g is not None and t.ref() in kept and t.ref() in carriers:
                 if t.ref() in totals:
                     raise AssertionError(f"gradient of {t.name} was summed before it was complete")
                 contributions.setdefault(t.ref(), []).append(g)

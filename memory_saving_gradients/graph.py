@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import os
 from typing import Iterable, Sequence
 
@@ -316,6 +317,31 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardR
     return ForwardRegion(frozenset(region), tuple(sorted(region, key=op_order)))
 
 
+def gradient_carriers(region: ForwardRegion, xs: Sequence[tf.Tensor], blocks, trainable) -> frozenset:
+    """Refs of the tensors (``xs`` and region outputs) whose gradient can reach some x.
+
+    A gradient flows back through an op unless ``blocks(op)`` (its registered
+    gradient is None, as for ``StopGradient``), and only through outputs for
+    which ``trainable(tensor)``.  A kept tensor outside this set (e.g. the
+    ``StopGradient`` of the mean in ``tf.nn.moments``) still cuts the
+    recomputation, but no gradient is computed for it: one would only be
+    thrown away, after the ordering of the backward pass had made it run.
+    """
+    carriers = {x.ref() for x in xs}
+    stack = list(xs)
+    reached: set = set()
+    while stack:  # along data edges, in any order (v1 loops have back edges)
+        for op in stack.pop().consumers():
+            if op in reached or op not in region or blocks(op):
+                continue
+            reached.add(op)
+            for t in op.outputs:
+                if trainable(t) and t.ref() not in carriers:
+                    carriers.add(t.ref())
+                    stack.append(t)
+    return frozenset(carriers)
+
+
 def has_unknown_size(tensor: tf.Tensor) -> bool:
     """Whether a tensor's size depends on dimensions unknown before it runs.
 
@@ -407,6 +433,113 @@ def segment_for(
         recompute=region.is_recomputable(root)
         and (len(ops) > 1 or bool(gradient_reads(root)[1])),
     )
+
+
+def backward_groups(
+    region: ForwardRegion, kept: dict, producers: Iterable[tf.Operation],
+    isolated: frozenset = frozenset(),
+) -> list:
+    """``[(members, segment)]``: the groups the backward pass differentiates, in its order.
+
+    Each producer of kept tensors is a group of its own, with the segment
+    :func:`segment_for` walks back from it, unless its recomputed segment
+    shares ops with another's (q, k and v kept, the layer norm and the
+    projection before them not): such groups are merged into one segment,
+    recomputed and differentiated once with all their targets, instead of once
+    per target.  A group is handled after every group whose segment reads its
+    tensors (those complete its gradients); a merge that would make that
+    impossible (a cycle: a member's gradient waiting for a group that reads
+    another member) is split again (all merges are, if the groups' reads form a
+    cycle without one, as around a v1 loop).  ``isolated`` ops (v1 control-flow
+    constructs, stop_gradients) are never merged; their segment is None (the
+    caller makes it).  Among the groups that are ready, the latest comes
+    first: without merges this is reverse topological order, as before.
+    Linear in the segments' sizes (times a log for the ordering).
+    """
+    ordered = sorted(set(producers), key=op_order)
+    position = {op: i for i, op in enumerate(ordered)}
+    segments: dict = {}
+    parent = {op: op for op in ordered}
+
+    def find(op):
+        while parent[op] is not op:
+            parent[op] = parent[parent[op]]
+            op = parent[op]
+        return op
+
+    owner: dict = {}
+    for op in ordered:
+        if op in isolated:
+            continue
+        targets = [t for t in op.outputs if t.ref() in kept] or list(op.outputs)
+        segment = segment_for(targets, region, kept)
+        segments[op] = segment
+        if not segment.recompute:
+            continue
+        for inner in segment.ops:
+            if inner is op:
+                continue
+            other = owner.setdefault(inner, op)
+            if other is not op:
+                parent[find(op)] = find(other)
+    members: dict = {}
+    for op in ordered:
+        members.setdefault(find(op), []).append(op)
+    groups = [tuple(g) for g in members.values()]
+    while True:
+        if all(len(g) == 1 for g in groups):
+            order = sorted(groups, key=lambda g: position[g[0]], reverse=True)
+            break
+        order, stuck = _reverse_dependency_order(groups, segments, position)
+        if not stuck:
+            break
+        # split the merged groups on a cycle; a cycle without one (the back edge of
+        # a v1 loop) leaves no order to trust but the plain one: no merges at all
+        split = [g for g in stuck if len(g) > 1] or [g for g in groups if len(g) > 1]
+        groups = [g for g in groups if g not in split] + [(m,) for g in split for m in g]
+    result = []
+    for group in order:
+        if len(group) == 1:
+            result.append((group, segments.get(group[0])))
+            continue
+        ops = {o for m in group for o in segments[m].ops}
+        inputs = {t.ref(): t for m in group for t in segments[m].inputs}
+        result.append((group, Segment(
+            targets=tuple(t for m in group for t in segments[m].targets),
+            ops=tuple(sorted(ops, key=op_order)),
+            inputs=tuple(sorted(inputs.values(), key=tensor_order)),
+            recompute=True,
+        )))
+    return result
+
+
+def _reverse_dependency_order(groups: list, segments: dict, position: dict) -> tuple:
+    """``(order, stuck)``: the groups, each after every group whose segment reads one of
+    its tensors, the latest ready one first; ``stuck``: the groups on or behind a cycle."""
+    group_of = {op: g for g in groups for op in g}
+    waiting = {g: 0 for g in groups}
+    feeds: dict = {g: set() for g in groups}  # reader -> groups whose tensors it reads
+    for g in groups:
+        for m in g:
+            segment = segments.get(m)
+            for t in segment.inputs if segment is not None else ():
+                source = group_of.get(t.op)
+                if source is None or source in feeds[g]:
+                    continue
+                feeds[g].add(source)
+                waiting[source] += 1
+    ready = [(-max(position[m] for m in g), g) for g in groups if not waiting[g]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, g = heapq.heappop(ready)
+        order.append(g)
+        for source in feeds[g]:
+            waiting[source] -= 1
+            if not waiting[source]:
+                heapq.heappush(ready, (-max(position[m] for m in source), source))
+    done = set(order)
+    return order, [g for g in groups if g not in done]
 
 
 def in_function_body_of(tensor: tf.Tensor, graph: tf.Graph) -> bool:

@@ -60,10 +60,12 @@ class Plan:
 
 @_gc.without_cyclic_gc
 def make_plan(
-    ys, xs, region, checkpoints: Sequence, strategy: str, unknown_dim: int = 1
+    ys, xs, region, checkpoints: Sequence, strategy: str, unknown_dim: int = 1,
+    onednn: bool = True, gpu: bool = False,
 ) -> Plan:
     """Predict both peaks for a chosen set of checkpoints (pure: nothing is built);
-    unknown dimensions count as ``unknown_dim``."""
+    unknown dimensions count as ``unknown_dim``; ``onednn`` and ``gpu`` describe
+    the machine (see :func:`simulate.workspace_note`)."""
     predicted = simulate.predict_checkpointed(region, ys, xs, checkpoints, unknown_dim)
     baseline = simulate.predict_baseline(region, ys, xs, unknown_dim)
     return Plan(
@@ -72,6 +74,7 @@ def make_plan(
         baseline_peak_bytes=baseline.peak_bytes,
         recompute_cost=predicted.recompute_cost,
         strategy=strategy,
-        assumptions=tuple(sorted(set(predicted.assumptions + baseline.assumptions))),
+        assumptions=tuple(sorted(set(predicted.assumptions + baseline.assumptions)))
+        + simulate.workspace_note(region, onednn, gpu),
         recomputed_ops=predicted.recomputed_ops,
     )

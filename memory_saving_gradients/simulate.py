@@ -174,6 +174,34 @@ class Sizer:
         )
 
 
+CONVOLUTION_OP_TYPES = frozenset(
+    {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
+     "Conv3DBackpropInputV2"}
+)
+
+
+def workspace_note(region, onednn: bool, gpu: bool) -> tuple:
+    """What the model leaves out on this machine, as a line for ``Plan.assumptions``.
+
+    Without oneDNN (and without a GPU), TensorFlow's own CPU gradients of a
+    convolution allocate a transient workspace besides their outputs
+    (measured 14-27 MB per op at batch 8 on a CIFAR ResNet, two at a time when
+    the input and filter gradients run together); the model counts outputs
+    only, so its peaks are too low there.
+    """
+    if onednn or gpu:
+        return ()
+    count = sum(op.type in CONVOLUTION_OP_TYPES for op in region.order)
+    if not count:
+        return ()
+    return (
+        f"oneDNN is off (TF_ENABLE_ONEDNN_OPTS): TensorFlow's CPU gradients of the {count} "
+        "convolutions allocate transient workspaces (measured 14-27 MB per op at batch 8) "
+        "that these peaks leave out; set TF_ENABLE_ONEDNN_OPTS=1 before importing "
+        "TensorFlow (docs/where-it-works.md)",
+    )
+
+
 def _static_shape(tensor: tf.Tensor) -> list | None:
     return tensor.shape.as_list() if tensor.shape.rank is not None else None
 
@@ -418,16 +446,12 @@ def predict_checkpointed(
     kept = graph_lib.boundary_tensors(region, ys, xs, checkpoints)
     for y in ys:
         grads.add(y.ref(), size(y), step)
-    groups = sorted(
-        {t.op for t in kept.values() if t.op in region}, key=graph_lib.op_order, reverse=True
-    )
+    groups = graph_lib.backward_groups(region, kept, {t.op for t in kept.values() if t.op in region})
     recompute_work = 0.0
     recomputed = collections.Counter()
-    for index, op in enumerate(groups):
-        targets = [t for t in op.outputs if t.ref() in kept and grads.has(t)]
-        if not targets:
+    for index, (group, segment) in enumerate(groups):
+        if not any(t.ref() in kept and grads.has(t) for op in group for t in op.outputs):
             continue
-        segment = graph_lib.segment_for(targets, region, kept)
         inside = set(segment.ops) if segment.recompute else set()
 
         def rename(ref, inside=inside, index=index):
