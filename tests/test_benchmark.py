@@ -235,3 +235,22 @@ def test_cli_xla_only_writes_its_table_and_plot(tmp_path):
         assert f"| {variant} |" in table
     assert (tmp_path / "xla.csv").read_text().count("\n") == 5
     assert (tmp_path / "xla_temp.png").stat().st_size > 1000
+
+
+def test_least_peak_check_skips_variants_with_the_same_plan():
+    """A budget whose plan keeps exactly 'memory''s checkpoints is the same step measured
+    again: its lower reading is measurement jitter, not a variant that beats 'memory'."""
+    from memory_saving_gradients.bench import report
+    from memory_saving_gradients.bench.core import Result
+    from memory_saving_gradients.bench.sweep import Row
+
+    def row(variant, mb, key):
+        return Row(Result("resnet", "depth=110", 32, variant, peak_bytes=int(mb * 2**20),
+                          plan_key=key))
+
+    rows = [row("memory", 39.3, "a"), row("frontier", 38.1, "a"), row("collection", 65.6, "c")]
+    (check,) = report.least_peak_checks(rows)
+    assert check["least_other"] == "collection" and check["ok"]
+    rows.append(row("frontier", 37.0, "b"))  # another plan, lower: 'memory' is not the least
+    (check,) = report.least_peak_checks(rows)
+    assert check["other_mb"] == pytest.approx(37.0) and not check["ok"]

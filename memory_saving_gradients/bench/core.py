@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import logging
 import statistics
 import time
@@ -148,6 +149,7 @@ class Result:
     allocators: str = ""
     budget_bytes: Optional[int] = None
     baseline_predicted_bytes: Optional[int] = None
+    plan_key: Optional[str] = None  # the planned checkpoints' names, hashed: equal plans
     error: Optional[str] = None
 
     @property
@@ -476,6 +478,7 @@ def _build_graph_variant(spec, variant, device, seed, budget_fraction, check_gra
             the_plan = msg.plan(loss, xs, checkpoints=strategy, memory_budget=budget)
             result.predicted_peak_bytes = int(the_plan.predicted_peak_bytes)
             result.baseline_predicted_bytes = int(the_plan.baseline_peak_bytes)
+            result.plan_key = _plan_key(the_plan.checkpoints)
         elif predict:
             try:
                 result.baseline_predicted_bytes = _baseline_prediction(msg, loss, xs)
@@ -494,6 +497,12 @@ def _build_graph_variant(spec, variant, device, seed, budget_fraction, check_gra
         if check_grads and strategy is not None:
             reference = tf_gradients(loss, xs)
     return _Built(graph, [loss] + list(grads), feed, reference, feed, rewrite_seconds)
+
+
+def _plan_key(checkpoints) -> str:
+    """Names of the checkpoints, sorted and hashed: the same key, the same plan."""
+    names = "\n".join(sorted(t.name for t in checkpoints))
+    return hashlib.sha1(names.encode()).hexdigest()[:12]
 
 
 def _baseline_prediction(msg, loss, xs) -> int:

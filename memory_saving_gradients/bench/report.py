@@ -361,12 +361,16 @@ def frontier_checks(rows) -> List[Dict[str, object]]:
 
 def least_peak_checks(rows) -> List[Dict[str, object]]:
     """Per model size: 'memory''s measured peak against the least of every other
-    checkpointing variant (recompute_grad, collection, speed, budgets, frontier)."""
+    checkpointing variant (recompute_grad, collection, speed, budgets, frontier).
+    A variant whose plan keeps the same checkpoints (a budget just above
+    'memory''s peak) is the same step measured again, not another variant."""
     checks = []
     others_of = ("recompute_grad", "collection", "speed", "memory+budget", FRONTIER)
     for (model, size), group in _groups(rows).items():
         ours = next((r for r in group if r.result.variant == "memory" and r.result.ok), None)
-        others = [r for r in group if r.result.variant in others_of and r.result.ok]
+        others = [r for r in group if r.result.variant in others_of and r.result.ok
+                  and not (ours is not None and r.result.plan_key is not None
+                           and r.result.plan_key == ours.result.plan_key)]
         if ours is None or not others:
             continue
         best = min(others, key=lambda r: r.result.peak_bytes)
