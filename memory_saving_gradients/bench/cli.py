@@ -14,7 +14,7 @@ from typing import List, Optional
 from . import core
 
 DEFAULT_VARIANTS = tuple(v for v in core.VARIANTS if v != "tf.function")
-DEFAULT_FITS_VARIANTS = ("tf.gradients", "recompute_grad", "memory", "memory+budget")
+DEFAULT_FITS_VARIANTS = ("tf.gradients", "recompute_grad", "memory")  # + memory+budget: --fits-variants
 
 
 def _csv(text: str) -> List[str]:
@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
                    help="memory+budget: memory_budget as a fraction of plan()'s predicted "
                    "tf.gradients peak")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per variant, after one untimed round (default 15; quick: 2)")
+                   help="timed steps per variant, after one untimed round (default 10; quick: 2)")
     p.add_argument("--cap-mb", type=float, default=None,
                    help="'fits in N MB': the memory cap (0: skip the search; default 64, "
                    "quick: 0.6)")
@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
                    help="checkpoints= of the memory-saving run in the loss-curve check")
     p.add_argument("--scaling-sizes", default=None,
                    help="graph sizes (ops, comma-separated) for the rewrite-time rows of "
-                   "memory_saving_gradients.scaling; 'none' to skip (default 2500,10000, about "
+                   "memory_saving_gradients.scaling; 'none' to skip (default 2500, about "
                    "a minute; quick: none; issue-sized: 10000,100000, many minutes)")
     p.add_argument("--frontier", type=int, default=0, metavar="N",
                    help="also measure N 'memory' runs with memory_budget from the least "
@@ -262,8 +262,8 @@ def _xla_main(args, argv, specs, dump, steps, started, load_before, tf) -> int:
 
 def _quick_defaults(args) -> None:
     """Fill the options left unset: full defaults, or tiny ones with --quick."""
-    for name, full, quick in (("steps", 15, 2), ("cap_mb", 64.0, 0.6), ("train_steps", 50, 5),
-                              ("scaling_sizes", "2500,10000", "none")):
+    for name, full, quick in (("steps", 10, 2), ("cap_mb", 64.0, 0.6), ("train_steps", 50, 5),
+                              ("scaling_sizes", "2500", "none")):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
 
