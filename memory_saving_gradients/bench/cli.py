@@ -343,8 +343,9 @@ def _header(args, argv, device, wall, load_before, tf) -> str:
         f"- TensorFlow {tf.__version__}, Python {platform.python_version()}, "
         f"{os.cpu_count()} CPUs, device: {device or 'default (CPU)'}; "
         f"1-min load average {load_before} at start, {_load()} at end",
-        "- peaks: measured from the allocator records of a traced step (second traced run), "
-        "default ConfigProto; times: median of untraced steps, variants interleaved; ratios only "
+        f"- peaks: measured from the allocator records of traced steps, the least and the most "
+        f"of {core.PEAK_RUNS} (after one warm-up; the executor's op order moves the peak), "
+        f"default ConfigProto, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'unset')}; times: median of untraced steps, variants interleaved; ratios only "
         "between variants measured together in this run",
         "",
     ])
