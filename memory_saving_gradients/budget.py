@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 
 def _suffix_sums(values: np.ndarray) -> np.ndarray:
@@ -111,13 +112,27 @@ class CutProblem:
         where = self.pruned[b][0]
         return self.pruned[b][column][np.searchsorted(where, self.positions[a], side="right")]
 
-    def first_within(self, b: int, limit: float) -> int:
-        """The first candidate a whose segment (a, b] allocates less than ``limit``."""
-        pb = self.positions[b]
-        need = self.output_bytes[pb + 1] - (limit - self.fixed_bytes)
+    def first_within(self, limit: float) -> np.ndarray:
+        """For every candidate b, the first candidate a whose segment (a, b] allocates
+        less than ``limit`` (outputs only: a lower bound on ``segment_bytes``)."""
+        need = self.output_bytes[self.positions + 1] - (limit - self.fixed_bytes)
         # output_bytes[pa + 1] must exceed need
-        p = int(np.searchsorted(self.output_bytes, need, side="right")) - 1
-        return int(np.searchsorted(self.positions, p - 1, side="left"))
+        p = np.searchsorted(self.output_bytes, need, side="right") - 1
+        return np.searchsorted(self.positions, p - 1, side="left")
+
+
+def _level_table(rows: int, levels: int) -> tuple:
+    """A table of ``rows`` x (levels + 1) states, inf, and a view that reads it shifted.
+
+    ``table[i]`` is row i; ``shifted[i, levels + 1 - s]`` is row i moved s levels
+    up (``shifted[i, levels + 1 - s][k] == table[i, k - s]``, inf where k < s),
+    for 0 <= s <= levels + 1.  One fancy index of ``shifted`` gathers, for many
+    predecessors at once, the states that reach each level: what the programs
+    below do at every cut.
+    """
+    width = levels + 1
+    padded = np.full((rows, 2 * width), np.inf)
+    return padded[:, width:], sliding_window_view(padded, width, axis=1)
 
 
 def least_recompute(problem: CutProblem, budget: float, levels: int = 120):
@@ -130,39 +145,33 @@ def least_recompute(problem: CutProblem, budget: float, levels: int = 120):
         return None
     quantum = budget / levels
     width = levels + 1
-    best = np.full((n, width), np.inf)
+    best, shifted = _level_table(n, levels)
     best[0, 0] = 0.0
-    flat_best = best.reshape(-1)  # a view: rows written below are seen through it
     from_cut = np.full((n, width), -1, dtype=np.int64)
     from_level = np.full((n, width), -1, dtype=np.int64)
     level_index = np.arange(width)
-    level_row = level_index[None, :]
+    first = problem.first_within(budget)
     for b in range(1, n):
-        lo = problem.first_within(b, budget)
-        lo = max(lo, 0)
+        lo = max(int(first[b]), 0)
         if lo >= b:
             continue
         all_bytes, all_kept, all_cost = problem.row(b)
-        ok = all_bytes[lo:] < budget
-        preds = np.arange(lo, b)[ok]
+        preds = np.flatnonzero(all_bytes[lo:] < budget) + lo
         if preds.size == 0:
             continue
-        work = all_bytes[preds]
-        room = np.minimum(np.floor((budget - work) / quantum), levels).astype(np.int64)
+        # the level reached at a, plus the segment, must fit: k - shift <= room
+        room = np.floor((budget - all_bytes[preds]) / quantum)
         if b == n - 1:
             shift = np.zeros(preds.shape, dtype=np.int64)
         else:
-            shift = np.ceil(all_kept[preds] / quantum).astype(np.int64)
-        cost = all_cost[preds]
-        # candidate[a, k]: reach level k at b from level k - shift[a] at a
-        source = level_row - shift[:, None]
-        valid = (source >= 0) & (source <= room[:, None])
-        source = np.minimum(np.maximum(source, 0), levels)
-        values = np.where(valid, flat_best[preds[:, None] * width + source] + cost[:, None], np.inf)
+            shift = np.minimum(np.ceil(all_kept[preds] / quantum), width).astype(np.int64)
+        # values[a, k]: reach level k at b from level k - shift[a] at a
+        values = shifted[preds, width - shift] + all_cost[preds][:, None]
+        values[level_index[None, :] > (room + shift)[:, None]] = np.inf
         choice = values.argmin(axis=0)
         best[b] = values[choice, level_index]
         from_cut[b] = preds[choice]
-        from_level[b] = source[choice, level_index]
+        from_level[b] = level_index - shift[choice]
     if not np.isfinite(best[n - 1]).any():
         return None
     level = int(np.argmin(best[n - 1]))
@@ -204,26 +213,23 @@ def _minimax_peak(problem: CutProblem, quantum: float, levels: int,
     only segments allocating less than ``bound`` are considered."""
     n = len(problem)
     width = levels + 1
-    level_index = np.arange(width)
-    best = np.full((n, width), np.inf)
+    best, shifted = _level_table(n, levels)
     best[0, 0] = 0.0
-    level_row = level_index[None, :]
+    # level_bytes[width - s][k] = (k - s) * quantum: the kept bytes at the source level
+    level_bytes = sliding_window_view(np.arange(-width, width) * quantum, width)
     for b in range(1, n):
         work, kept, _ = problem.row(b)
         preds = np.flatnonzero(work < bound) if bound < math.inf else np.arange(b)
         if preds.size == 0:
             continue
-        work = work[preds]
         if b == n - 1:
             shift = np.zeros(preds.size, dtype=np.int64)
         else:
-            shift = np.ceil(kept[preds] / quantum).astype(np.int64)
-        source = level_row - shift[:, None]  # never above levels: shift >= 0
-        valid = source >= 0
-        safe = np.maximum(source, 0)
-        peak = np.maximum(np.take_along_axis(best[preds], safe, axis=1),
-                          safe * quantum + work[:, None])
-        best[b] = np.where(valid, peak, np.inf).min(axis=0)
+            shift = np.minimum(np.ceil(kept[preds] / quantum), width).astype(np.int64)
+        start = width - shift
+        # a level below the shift reads inf from the table: never chosen
+        peak = np.maximum(shifted[preds, start], level_bytes[start] + work[preds][:, None])
+        best[b] = peak.min(axis=0)
     return float(best[n - 1].min())
 
 
