@@ -395,17 +395,22 @@ def _backprop(
                 data_after=target_grads if for_xla else (),
             )
             copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")
+            # each copy's input gradients are released together, so that the
+            # executor frees the recomputed tensors in the order simulated
+            # (XLA drops control inputs: nothing to gate there)
+            gated = () if for_xla else {t.op for t in copies.values()}
             try:
-                input_grads = tf_gradients(
-                    [copies[t.ref()] for t in targets],
-                    [inputs[t.ref()] for t in segment_inputs],
-                    grad_ys=target_grads,
-                    name=f"backprop_{index}",
-                    colocate_gradients_with_ops=colocate_gradients_with_ops,
-                    gate_gradients=gate_gradients,
-                    aggregation_method=aggregation_method,
-                    stop_gradients=list(inputs.values()) + [copies.get(s.ref(), s) for s in stops],
-                )
+                with rewrite.gated_gradients(gated):
+                    input_grads = tf_gradients(
+                        [copies[t.ref()] for t in targets],
+                        [inputs[t.ref()] for t in segment_inputs],
+                        grad_ys=target_grads,
+                        name=f"backprop_{index}",
+                        colocate_gradients_with_ops=colocate_gradients_with_ops,
+                        gate_gradients=gate_gradients,
+                        aggregation_method=aggregation_method,
+                        stop_gradients=list(inputs.values()) + [copies.get(s.ref(), s) for s in stops],
+                    )
             except LookupError as error:
                 raise _naming_original(error, segment.ops, copies) from error
         elif graph_lib.is_differentiable_in_place(op):

@@ -44,7 +44,7 @@ class Cuts:
 
 
 def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
-              max_cuts: int = 300) -> Cuts:
+              max_cuts: int = 300, needs_gradient=lambda tensor: True) -> Cuts:
     """The cuts of the region, in one sweep over its ops (linear in ops + edges).
 
     Consecutive positions whose live sets differ only in tensors of no bytes of
@@ -52,7 +52,8 @@ def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
     more than ``max_cuts``, the cheapest cut of each of ``max_cuts`` equal
     stretches of the order is kept.  ``size(t)`` and ``cost(op)`` give bytes
     and work; outputs of ``alias_types`` ops share their input's buffer and
-    cost nothing of their own.
+    cost nothing of their own.  ``needs_gradient(tensor)``: whether an input's
+    gradient is wanted (see :func:`graph.gradient_reads`).
     """
     order = region.order
     position = {op: i for i, op in enumerate(order)}
@@ -67,7 +68,7 @@ def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
             if op.type in alias_types and op.inputs and op.inputs[0].op in position:
                 source = op.inputs[0].ref()
                 end_of[source] = max(end_of.get(source, 0), end)
-    first_read = _first_reads(order, position)
+    first_read = _first_reads(order, position, needs_gradient)
     output_prefix, work_prefix, largest, op_work, op_bytes = [], [], [], [], []
     held_prefix, op_held = [], []
     total_bytes = total_work = total_held = 0
@@ -155,7 +156,7 @@ def _outputs_gradients_read(op, position) -> set:
     return read
 
 
-def _first_reads(order, position) -> list:
+def _first_reads(order, position, needs_gradient=lambda tensor: True) -> list:
     """Per op: the first position at which a gradient reads it or what it feeds.
 
     A segment ending before that position never runs the op's copy; ``inf``:
@@ -169,7 +170,8 @@ def _first_reads(order, position) -> list:
             for c in t.consumers():
                 j = position.get(c)
                 if j is not None:
-                    best = min(best, j if gradient_reads_output_of(op, c) else first[j])
+                    best = min(best, j if gradient_reads_output_of(op, c, needs_gradient)
+                                else first[j])
         first[i] = best
     return first
 

@@ -196,28 +196,33 @@ def gradient_reads(op: tf.Operation, needs_gradient=lambda tensor: True) -> tupl
     return tuple(op.inputs), ()
 
 
-def gradient_reads_output_of(op: tf.Operation, consumer: tf.Operation) -> bool:
+def gradient_reads_output_of(op: tf.Operation, consumer: tf.Operation,
+                             needs_gradient=lambda tensor: True) -> bool:
     """Whether ``consumer``'s gradient reads an output of ``op`` (its values, or a shape
-    that is not static: TensorFlow then reads it at run time)."""
-    read = {t.ref() for t in gradient_reads(consumer)[0]}
+    that is not static: TensorFlow then reads it at run time); ``needs_gradient`` as
+    for :func:`gradient_reads`."""
+    read = {t.ref() for t in gradient_reads(consumer, needs_gradient)[0]}
     return any(
         t.op is op and (t.ref() in read or not t.shape.is_fully_defined())
         for t in consumer.inputs
     )
 
 
-def copies_that_run(ops: Sequence[tf.Operation]) -> set:
+def copies_that_run(ops: Sequence[tf.Operation], needs_gradient=lambda tensor: True) -> set:
     """The ops of a recomputed segment whose copies actually run.
 
     A copy runs when a gradient in the segment reads its outputs, or when it
     feeds a copy that runs; the others (e.g. a convolution that only feeds a
-    residual add) are pruned by grappler, since nothing reads them.
+    residual add, or attention scores only scaled by a constant) are pruned
+    by grappler, since nothing reads them.  ``needs_gradient(tensor)``: whether
+    an input's gradient is wanted (a product's gradient for a constant factor
+    is computed, but nothing fetches it).
     """
     inside = set(ops)
     running: set = set()
     for op in sorted(ops, key=op_order, reverse=True):
         if gradient_reads(op)[1] or any(
-            c in running or gradient_reads_output_of(op, c)
+            c in running or gradient_reads_output_of(op, c, needs_gradient)
             for t in op.outputs for c in t.consumers() if c in inside
         ):
             running.add(op)

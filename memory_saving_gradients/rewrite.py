@@ -92,6 +92,66 @@ def copy_ops(
     }
 
 
+@contextlib.contextmanager
+def gated_gradients(copies: Iterable[tf.Operation]):
+    """Inside the block, ``tf.gradients`` releases each copy's input gradients together.
+
+    When the gradient function of one of ``copies`` returns two or more
+    gradients, every op that ``tf.gradients`` then builds on one of them waits
+    (a control input) for the ops of all the others.  Without it the executor
+    runs ahead on the gradient that is ready first (the slices of a concat's
+    gradient) while another is still being computed (a convolution's filter
+    gradient, which holds the recomputed input): both sets of tensors are alive
+    at once, and the peak moves from run to run.  With it, each copy's inputs
+    are freed before the gradients below it allocate, as the simulation assumes.
+
+    This is TensorFlow's ``gate_gradients=True`` for these ops only, built
+    from control inputs instead of a ``tuple`` of identities (no new ops).  A
+    gate only points from those gradient ops to an op created after all of
+    them, which is none of their ancestors: it cannot close a cycle.
+    """
+    gates: list = []  # (gradient ops of one copy, the largest of their op ids)
+    replaced = []
+    for op in copies:
+        try:
+            function = _ops.get_gradient_function(op)
+        except LookupError:
+            continue
+        if function is None:
+            continue
+        replaced.append((op, op._gradient_function))  # pylint: disable=protected-access
+        op._gradient_function = _recording_gradient(function, gates)  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        for op, previous in replaced:
+            op._gradient_function = previous  # pylint: disable=protected-access
+    for producers, last_id in gates:
+        for producer in producers:
+            for t in producer.outputs:
+                for consumer in t.consumers():
+                    if consumer._id > last_id:  # pylint: disable=protected-access
+                        add_control_inputs([consumer], [p for p in producers if p is not producer])
+
+
+def _recording_gradient(function, gates: list):
+    """``function``, noting the ops of the gradients it returns when there are two or more."""
+
+    def gradient(op, *output_gradients):
+        results = function(op, *output_gradients)
+        parts = results if isinstance(results, (list, tuple)) else [results]
+        producers = _unique_ops(
+            t.op for g in parts if g is not None for t in tensors_of(g)
+            if isinstance(t, tf.Tensor)
+        )
+        if len(producers) > 1:
+            # an op created after all of them is none of their ancestors
+            gates.append((producers, max(p._id for p in producers)))  # pylint: disable=protected-access
+        return results
+
+    return gradient
+
+
 def _copied_attrs(op: tf.Operation) -> dict:
     """The attrs of ``op`` for its copy, less the mark a v1 ``xla.compile`` context sets itself."""
     attrs = dict(op.node_def.attr)

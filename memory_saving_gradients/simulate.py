@@ -459,7 +459,8 @@ def predict_checkpointed(
             return (index, ref) if tensor.op in inside else ref
 
         if segment.recompute:
-            running = graph_lib.copies_that_run(segment.ops)
+            running = graph_lib.copies_that_run(
+                segment.ops, lambda t: t.op in region or t.ref() in xs_refs)
             for seg_op in segment.ops:
                 if seg_op not in running:
                     continue  # nothing reads this copy: grappler prunes it

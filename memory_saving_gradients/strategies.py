@@ -164,7 +164,9 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
     :mod:`.simulate`, which has the last word.
     """
     size = simulate.Sizer(unknown_dim)
-    cuts = cuts_lib.live_cuts(region, size, size.cost, simulate.ALIAS_OP_TYPES)
+    xs_refs = {x.ref() for x in xs}
+    cuts = cuts_lib.live_cuts(region, size, size.cost, simulate.ALIAS_OP_TYPES,
+                              needs_gradient=lambda t: t.op in region or t.ref() in xs_refs)
     if not cuts.positions:
         return []
     # With a budget, plans are judged as plan() reports them: the gradients of

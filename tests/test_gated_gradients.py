@@ -1,0 +1,58 @@
+"""Each recomputed op's input gradients are released together (rewrite.gated_gradients).
+
+Without the gate the executor runs ahead on whichever gradient of an op is
+ready first.  On the U-Net the slices of a concat's gradient then ran while
+the convolution's filter gradient still held the recomputed concat: 'memory'
+measured 27.4 MB in some runs and 35.1 MB in most, where plan() predicts
+27.4 (tests/test_strategies.py measures it).  The gate is control inputs only;
+values are unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from memory_saving_gradients import rewrite
+
+
+def _product_graph():
+    rng = np.random.RandomState(0)
+    u = tf.constant(rng.randn(8, 16).astype(np.float32))
+    w = tf.Variable(rng.randn(16, 16).astype(np.float32) * 0.1)
+    x = tf.tanh(u * 2.0)
+    y = tf.matmul(x, w)
+    return u, w, x, y, tf.reduce_sum(tf.tanh(y))
+
+
+def test_consumers_of_one_gradient_wait_for_the_others():
+    with tf.Graph().as_default():
+        u, w, x, y, loss = _product_graph()
+        plain = tf.compat.v1.gradients(loss, [u, w])
+        with rewrite.gated_gradients([y.op]):
+            gated = tf.compat.v1.gradients(loss, [u, w])
+        # MatMul's gradient: two products; the TanhGrad below x reads the one for x
+        tanh_grad = gated[0].op.inputs[0].op
+        assert tanh_grad.type == "TanhGrad", tanh_grad.type
+        gradient_of_w = gated[1].op
+        assert gradient_of_w.type == "MatMul"
+        assert gradient_of_w in tanh_grad.control_inputs
+        # nothing is left behind on the op, and the first call was not gated
+        assert y.op._gradient_function is None
+        assert not plain[0].op.inputs[0].op.control_inputs
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            a, b = session.run([plain, gated])
+    for p, g in zip(a, b):
+        np.testing.assert_allclose(p, g, rtol=1e-6)
+
+
+def test_an_error_inside_leaves_the_op_as_it_was():
+    with tf.Graph().as_default():
+        _, _, _, y, _ = _product_graph()
+        try:
+            with rewrite.gated_gradients([y.op]):
+                raise RuntimeError("inside")
+        except RuntimeError:
+            pass
+        assert y.op._gradient_function is None
