@@ -152,7 +152,7 @@ def time_one(model: str, value: int, builders=None) -> dict:
                 tf_ops_added=tf_added, ours_ops_added=ours_added)
 
 
-def warm_build_ratio(depth: int = 110, batch: int = 2, repeats: int = 2,
+def warm_build_ratio(depth: int = 110, batch: int = 2, repeats: int = 3,
                      checkpoints: str = "memory") -> dict:
     """``gradients(..., checkpoints=...)`` against ``tf.gradients`` building the backward
     pass of a CIFAR ResNet (default ResNet-110, batch 2), both warmed up.
@@ -186,7 +186,7 @@ def warm_build_ratio(depth: int = 110, batch: int = 2, repeats: int = 2,
         seconds, ops = one(True)
         our_times.append(seconds)
     tf_best, ours_best = min(tf_times), min(our_times)
-    return dict(depth=depth, batch=batch, ops=ops, checkpoints=checkpoints,
+    return dict(depth=depth, batch=batch, ops=ops, checkpoints=checkpoints, repeats=repeats,
                 tf_seconds=tf_best, ours_seconds=ours_best, ratio=ours_best / tf_best)
 
 
@@ -249,8 +249,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.resnet110:
         r = warm_build_ratio()
-        print(f"ResNet-{r['depth']} batch {r['batch']} ({r['ops']} ops), warmed, best of 2: "
-              f"tf.gradients {r['tf_seconds']:.3f} s, gradients(checkpoints="
+        print(f"ResNet-{r['depth']} batch {r['batch']} ({r['ops']} ops), warmed, "
+              f"best of {r['repeats']}: tf.gradients {r['tf_seconds']:.3f} s, gradients(checkpoints="
               f"{r['checkpoints']!r}) {r['ours_seconds']:.3f} s: {r['ratio']:.2f}x")
         return
     rows = rewrite_times(args.models, args.sizes, on_row=lambda r: print(

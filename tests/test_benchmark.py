@@ -254,3 +254,38 @@ def test_least_peak_check_skips_variants_with_the_same_plan():
     rows.append(row("frontier", 37.0, "b"))  # another plan, lower: 'memory' is not the least
     (check,) = report.least_peak_checks(rows)
     assert check["other_mb"] == pytest.approx(37.0) and not check["ok"]
+
+
+class _FlakyThenRight:
+    """A session whose first run of the step returns a wrong gradient, then the right one."""
+
+    def __init__(self, wrong_runs):
+        self.wrong_runs = wrong_runs
+
+    def run(self, fetches, feed=None, **_):
+        right = [np.float32(0.0), np.ones(3, np.float32)]
+        if fetches == "step" and self.wrong_runs > 0:
+            self.wrong_runs -= 1
+            return [np.float32(0.0), np.full(3, 5.0, np.float32)]
+        return right[1:] if fetches == "reference" else right
+
+
+@pytest.mark.parametrize("wrong_runs, equal, retries", [(0, True, 0), (1, True, 1), (9, False, 2)])
+def test_gradient_check_repeats_a_mismatch_and_says_so(monkeypatch, wrong_runs, equal, retries):
+    """A mismatch is checked again (a nondeterministic kernel gives the right values the
+    next time, a wrong rewrite never does), and the table's note counts the retries."""
+    from memory_saving_gradients.bench.core import Result, _Built, _trace_and_check
+    from memory_saving_gradients.bench.sweep import Row
+
+    session = _FlakyThenRight(wrong_runs)
+    monkeypatch.setattr(core.profiling, "traced_run",
+                        lambda s, fetches, feed, runs=1: (s.run(fetches), None))
+    monkeypatch.setattr(core, "peak_bytes", lambda metadata, device: (1, ["cpu"]))
+    with tf.Graph().as_default() as graph:
+        built = _Built(graph, "step", {}, "reference", {}, 0.0)
+        result = Result("resnet", "depth=8", 2, "memory")
+        config = object()
+        _trace_and_check(built, session, result, config, config, "cpu", check_grads=True)
+    assert result.grads_equal is equal and result.gradient_retries == retries
+    note = report.row_dict(Row(result))["note"]
+    assert ("repeated" in note) == (retries > 0), note

@@ -320,7 +320,7 @@ def _scaling_section(sizes: List[int]) -> Optional[str]:
         except ImportError:  # no test_models: no ResNet-110 row
             return table
         table += (f"\n\nResNet-{r['depth']} batch {r['batch']} ({r['ops']} ops), both warmed up, "
-                  f"best of 2: tf.gradients {r['tf_seconds']:.3f} s, gradients(checkpoints="
+                  f"best of {r.get('repeats', 2)}: tf.gradients {r['tf_seconds']:.3f} s, gradients(checkpoints="
                   f"{r['checkpoints']!r}) {r['ours_seconds']:.3f} s: {r['ratio']:.2f}x.")
     return table
 

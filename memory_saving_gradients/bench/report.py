@@ -57,6 +57,9 @@ def row_dict(row) -> Dict[str, object]:
         note = _short_error(res.error)
     elif res.budget_bytes:
         note = f"budget {res.budget_bytes / MB:.1f} MB"
+    if getattr(res, "gradient_retries", 0):
+        retried = f"gradient check repeated {res.gradient_retries}x (nondeterministic kernels)"
+        note = f"{note}; {retried}" if note else retried
     return {
         "model": res.model,
         "size": res.size,
