@@ -112,6 +112,7 @@ def gated_gradients(copies: Iterable[tf.Operation]):
     """
     gates: list = []  # (gradient ops of one copy, the largest of their op ids)
     replaced = []
+    copies = frozenset(copies)
     for op in copies:
         try:
             function = _ops.get_gradient_function(op)
@@ -120,7 +121,8 @@ def gated_gradients(copies: Iterable[tf.Operation]):
         if function is None:
             continue
         replaced.append((op, op._gradient_function))  # pylint: disable=protected-access
-        op._gradient_function = _recording_gradient(function, gates)  # pylint: disable=protected-access
+        op._gradient_function = _recording_gradient(  # pylint: disable=protected-access
+            function, gates, copies)
     try:
         yield
     finally:
@@ -134,8 +136,9 @@ def gated_gradients(copies: Iterable[tf.Operation]):
                         add_control_inputs([consumer], [p for p in producers if p is not producer])
 
 
-def _recording_gradient(function, gates: list):
-    """``function``, noting the ops of the gradients it returns when there are two or more."""
+def _recording_gradient(function, gates: list, copies: frozenset):
+    """``function``, noting the ops of the gradients it returns when they should wait
+    for each other: two or more, of which some read a recomputed tensor and some do not."""
 
     def gradient(op, *output_gradients):
         results = function(op, *output_gradients)
@@ -145,11 +148,36 @@ def _recording_gradient(function, gates: list):
             if isinstance(t, tf.Tensor)
         )
         if len(producers) > 1:
-            # an op created after all of them is none of their ancestors
-            gates.append((producers, max(p._id for p in producers)))  # pylint: disable=protected-access
+            # ops with larger ids than op and its output gradients were made by the
+            # gradient function; an op created after all of them is none of their ancestors
+            made_after = max([op._id] + [t.op._id for g in output_gradients if g is not None
+                                        for t in tensors_of(g) if isinstance(t, tf.Tensor)])
+            reads = [_reads_recomputed(p, copies, made_after) for p in producers]
+            if any(reads) and not all(reads):
+                gates.append((producers, max(p._id for p in producers)))  # pylint: disable=protected-access
         return results
 
     return gradient
+
+
+_SHAPE_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})
+
+
+def _reads_recomputed(producer: tf.Operation, copies: frozenset, made_after: int) -> bool:
+    """Whether ``producer`` or an op the gradient function made for it reads the values
+    of an output of one of ``copies`` (a shape is no read: it holds no buffer)."""
+    stack, seen = [producer], set()
+    while stack:
+        current = stack.pop()
+        if current in seen or current.type in _SHAPE_OP_TYPES:
+            continue
+        seen.add(current)
+        for t in current.inputs:
+            if t.op in copies:
+                return True
+            if t.op._id > made_after:  # pylint: disable=protected-access
+                stack.append(t.op)
+    return False
 
 
 def _copied_attrs(op: tf.Operation) -> dict:

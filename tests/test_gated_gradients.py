@@ -1,4 +1,5 @@
-"""Each recomputed op's input gradients are released together (rewrite.gated_gradients).
+"""A recomputed op's input gradients are released together when some of them read a
+recomputed tensor and some do not (rewrite.gated_gradients).
 
 Without the gate the executor runs ahead on whichever gradient of an op is
 ready first.  On the U-Net the slices of a concat's gradient then ran while
@@ -29,9 +30,10 @@ def test_consumers_of_one_gradient_wait_for_the_others():
     with tf.Graph().as_default():
         u, w, x, y, loss = _product_graph()
         plain = tf.compat.v1.gradients(loss, [u, w])
-        with rewrite.gated_gradients([y.op]):
+        with rewrite.gated_gradients([x.op, y.op]):
             gated = tf.compat.v1.gradients(loss, [u, w])
-        # MatMul's gradient: two products; the TanhGrad below x reads the one for x
+        # MatMul's gradient: two products, the one for w reads the recomputed x, the one
+        # for x does not; the TanhGrad below x reads the one for x
         tanh_grad = gated[0].op.inputs[0].op
         assert tanh_grad.type == "TanhGrad", tanh_grad.type
         gradient_of_w = gated[1].op
@@ -45,6 +47,26 @@ def test_consumers_of_one_gradient_wait_for_the_others():
             a, b = session.run([plain, gated])
     for p, g in zip(a, b):
         np.testing.assert_allclose(p, g, rtol=1e-6)
+
+
+def test_gradients_that_all_read_recomputed_tensors_are_not_gated():
+    """x * z with both recomputed: each gradient holds a recomputed tensor, waiting
+    frees nothing (on the transformer's GELU, gating such products raised the peak
+    from 29.3 to 31.1 MB)."""
+    with tf.Graph().as_default() as graph:
+        u, w, x, y, _ = _product_graph()
+        z = tf.tanh(y)
+        product = x * z
+        loss = tf.reduce_sum(tf.tanh(product))
+        with rewrite.gated_gradients([x.op, y.op, z.op, product.op]):
+            tf.compat.v1.gradients(loss, [u, w])
+        ops = graph.get_operations()
+        of_product = {op for op in ops if f"/{product.op.name}_grad/" in op.name}
+        assert {op.type for op in of_product} >= {"Mul"}, of_product
+        waits = [op.name for op in ops if of_product & set(op.control_inputs)]
+        assert not waits, waits
+        # the MatMul below it still is gated (one of its gradients reads x, one not)
+        assert any(op.control_inputs for op in ops if op.name.startswith("gradients/"))
 
 
 def test_an_error_inside_leaves_the_op_as_it_was():

@@ -51,9 +51,9 @@ def parser() -> argparse.ArgumentParser:
                    help="memory+budget: memory_budget as a fraction of plan()'s predicted "
                    "tf.gradients peak")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per variant, after one untimed round (default 10; quick: 2)")
+                   help="timed steps per variant, after one untimed round (default 8; quick: 2)")
     p.add_argument("--cap-mb", type=float, default=None,
-                   help="'fits in N MB': the memory cap (0: skip the search; default 64, "
+                   help="'fits in N MB': the memory cap (0: skip the search; default 48, "
                    "quick: 0.6)")
     p.add_argument("--fits-over", choices=("depth", "batch"), default="depth",
                    help="search ResNet depth (at --fits-batch) or batch (at --fits-depth)")
@@ -262,7 +262,7 @@ def _xla_main(args, argv, specs, dump, steps, started, load_before, tf) -> int:
 
 def _quick_defaults(args) -> None:
     """Fill the options left unset: full defaults, or tiny ones with --quick."""
-    for name, full, quick in (("steps", 10, 2), ("cap_mb", 64.0, 0.6), ("train_steps", 50, 5),
+    for name, full, quick in (("steps", 8, 2), ("cap_mb", 48.0, 0.6), ("train_steps", 50, 5),
                               ("scaling_sizes", "2500", "none")):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
