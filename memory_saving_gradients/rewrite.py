@@ -94,23 +94,25 @@ def copy_ops(
 
 @contextlib.contextmanager
 def gated_gradients(copies: Iterable[tf.Operation]):
-    """Inside the block, ``tf.gradients`` releases each copy's input gradients together.
+    """Inside the block, ``tf.gradients`` releases some copies' input gradients together.
 
     When the gradient function of one of ``copies`` returns two or more
-    gradients, every op that ``tf.gradients`` then builds on one of them waits
-    (a control input) for the ops of all the others.  Without it the executor
-    runs ahead on the gradient that is ready first (the slices of a concat's
-    gradient) while another is still being computed (a convolution's filter
-    gradient, which holds the recomputed input): both sets of tensors are alive
-    at once, and the peak moves from run to run.  With it, each copy's inputs
-    are freed before the gradients below it allocate, as the simulation assumes.
+    gradients, of which some read a recomputed tensor (an output of one of
+    ``copies``) and some do not, every op that ``tf.gradients`` then builds on
+    one of them waits (a control input) for the ops of all the others.
+    Without it the executor runs ahead on the gradient that is ready first
+    (the slices below a convolution's input gradient) while another still
+    holds a recomputed tensor (the filter gradient, which reads the recomputed
+    input): both are alive at once, and the peak moves from run to run.  When
+    every gradient reads a recomputed tensor, waiting frees nothing, so those
+    are left alone.
 
     This is TensorFlow's ``gate_gradients=True`` for these ops only, built
     from control inputs instead of a ``tuple`` of identities (no new ops).  A
     gate only points from those gradient ops to an op created after all of
     them, which is none of their ancestors: it cannot close a cycle.
     """
-    gates: list = []  # (gradient ops of one copy, the largest of their op ids)
+    gates: list = []  # (gradient ops of one copy, the newest of their op ids)
     replaced = []
     copies = frozenset(copies)
     for op in copies:
@@ -128,11 +130,11 @@ def gated_gradients(copies: Iterable[tf.Operation]):
     finally:
         for op, previous in replaced:
             op._gradient_function = previous  # pylint: disable=protected-access
-    for producers, last_id in gates:
+    for producers, newest_id in gates:
         for producer in producers:
             for t in producer.outputs:
                 for consumer in t.consumers():
-                    if consumer._id > last_id:  # pylint: disable=protected-access
+                    if consumer._id > newest_id:  # pylint: disable=protected-access
                         add_control_inputs([consumer], [p for p in producers if p is not producer])
 
 
