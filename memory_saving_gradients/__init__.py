@@ -18,7 +18,7 @@ from .checkpointing import (
 from .planning import Plan
 from .profiling import peak_memory, peak_memory_by_device, peak_memory_during
 from .strategies import available as available_strategies
-from .patch import patch, patched
+from .patching import patch, patched
 from .tape import GradientTape
 from . import keras  # Keras 3 integration; imports Keras only when used
 

@@ -14,9 +14,7 @@ from tensorflow.python.ops import gradients as tf_ops_gradients
 from tensorflow.python.ops import gradients_impl
 
 import memory_saving_gradients as msg
-import importlib
-
-patch_lib = importlib.import_module("memory_saving_gradients.patch")  # the module; msg.patch is the function
+from memory_saving_gradients import patching as patch_lib
 
 # The 'memory' strategy is the headline; until it exists use the collection.
 STRATEGY = "memory" if "memory" in msg.available_strategies() else "collection"

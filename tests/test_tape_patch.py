@@ -7,7 +7,6 @@ have rewritten the step, the traced graph must hold ``recompute`` copies.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import sys
 
@@ -24,7 +23,7 @@ from memory_saving_gradients import strategies
 from memory_saving_gradients import tape as tape_lib
 from memory_saving_gradients import tape_hooks
 
-patch_lib = importlib.import_module("memory_saving_gradients.patch")
+from memory_saving_gradients import patching as patch_lib
 
 DEPTH = 12
 

@@ -129,7 +129,7 @@ def make_gradients_v1(checkpoints="memory", **options):
 
     gradients.__doc__ = (
         f"tf.compat.v1.gradients with checkpoints={checkpoints!r} "
-        "(memory_saving_gradients.patch)."
+        "(memory_saving_gradients.patch())."
     )
     return _mark(gradients, "v1")
 
@@ -166,7 +166,7 @@ def make_gradients_v2(checkpoints="memory", **options):
         )
 
     gradients.__doc__ = (
-        f"tf.gradients with checkpoints={checkpoints!r} (memory_saving_gradients.patch)."
+        f"tf.gradients with checkpoints={checkpoints!r} (memory_saving_gradients.patch())."
     )
     return _mark(gradients, "v2")
 
