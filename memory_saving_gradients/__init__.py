@@ -15,6 +15,12 @@ from .checkpointing import (
     gradients_speed,
     plan,
 )
+from .notices import (
+    EagerExecutionWarning,
+    MemorySavingGradientsWarning,
+    NothingKeptWarning,
+    NothingRewrittenWarning,
+)
 from .planning import Plan
 from .profiling import peak_memory, peak_memory_by_device, peak_memory_during
 from .strategies import available as available_strategies
@@ -29,6 +35,10 @@ __all__ = [
     "gradients_speed",
     "plan",
     "Plan",
+    "MemorySavingGradientsWarning",
+    "NothingKeptWarning",
+    "NothingRewrittenWarning",
+    "EagerExecutionWarning",
     "peak_memory",
     "peak_memory_by_device",
     "peak_memory_during",

@@ -13,8 +13,10 @@ gradient, so recomputation happens just before it is needed.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import numbers
+import warnings
 from typing import Sequence, Union
 
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
@@ -23,7 +25,10 @@ from ._tensorflow import onednn_enabled, tf, tf_gradients
 from . import graph as graph_lib
 from . import memo
 from ._nesting import Nesting
+from . import notices
 from . import planning
+from . import recovery
+from . import reporting
 from . import rewrite
 from . import simulate
 from . import strategies
@@ -95,6 +100,23 @@ def gradients(
             "tf.function or a tf.compat.v1 graph. In eager code use "
             "memory_saving_gradients.GradientTape inside a tf.function."
         )
+    reporting.called()
+    try:
+        return _gradients(
+            ys, xs, grad_ys, checkpoints, name, colocate_gradients_with_ops, gate_gradients,
+            aggregation_method, stop_gradients, unconnected_gradients, memory_budget, batch_size,
+        )
+    except Exception:
+        recovery.after_failure()  # the tf.function or Keras model being traced can trace again
+        raise
+
+
+def _gradients(
+    ys, xs, grad_ys, checkpoints, name, colocate_gradients_with_ops, gate_gradients,
+    aggregation_method, stop_gradients, unconnected_gradients, memory_budget, batch_size,
+) -> list:
+    """:func:`gradients` once it is known to run on a graph."""
+    check_arguments(checkpoints, dict(memory_budget=memory_budget, batch_size=batch_size))
     options = dict(
         name=name,
         colocate_gradients_with_ops=colocate_gradients_with_ops,
@@ -120,10 +142,15 @@ def gradients(
             _warn_unmodelled_workspaces(problem.region)
             logger.debug("checkpoints: %s", [t.name for t in chosen])
             with tf.name_scope(name or "gradients"):
-                return _backprop(
+                results = _backprop(
                     problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops,
                     unconnected, colocate_gradients_with_ops, gate_gradients, aggregation_method,
                 )
+            if reporting.wanted():
+                reporting.rewrote(
+                    _plan_of(checkpoints, problem, chosen, memory_budget, batch_size), problem.graph
+                )
+            return results
 
 
 def plan(
@@ -144,6 +171,7 @@ def plan(
     """
     if tf.executing_eagerly():
         raise RuntimeError("plan() works on graphs: call it inside a tf.function or a v1 graph.")
+    check_arguments(checkpoints, dict(memory_budget=memory_budget, batch_size=batch_size))
     problem = _prepare(ys, xs)
     _grad_ys_list(grad_ys, problem.ys)
     with problem.graph.as_default():
@@ -151,11 +179,90 @@ def plan(
             checkpoints, problem.ys, problem.xs, problem.region, problem.graph,
             memory_budget, batch_size,
         )
+    return _plan_of(checkpoints, problem, chosen or [], memory_budget, batch_size)
+
+
+def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size) -> planning.Plan:
+    """The :class:`Plan` of ``chosen``; its figures are remembered with the
+    checkpoints (:mod:`.memo`), so that a retrace predicts nothing again."""
     strategy = checkpoints if isinstance(checkpoints, str) else "list"
-    return planning.make_plan(
-        problem.ys, problem.xs, problem.region, chosen or [], strategy,
-        _unknown_dim(batch_size), onednn_enabled(), _gpu_visible(),
-    )
+
+    def make():
+        return planning.make_plan(
+            problem.ys, problem.xs, problem.region, chosen, strategy,
+            _unknown_dim(batch_size), onednn_enabled(), _gpu_visible(),
+        )
+
+    key = _memo_key(checkpoints, memory_budget, batch_size, problem.region, problem.ys, problem.xs)
+    if key is None:
+        return make()
+    return memo.remembered_plan(key, chosen, make)
+
+
+def _memo_key(checkpoints, memory_budget, batch_size, region, ys, xs):
+    """What a strategy's plan is remembered by, or None where it is not (lists,
+    the collection, which can change, and empty regions)."""
+    if not isinstance(checkpoints, str) or checkpoints == "collection" or not region.ops:
+        return None
+    return (checkpoints, memory_budget, _unknown_dim(batch_size), memo.fingerprint(region, ys, xs))
+
+
+#: Parameters of :func:`gradients` that are not options of an entry point.
+_NOT_OPTIONS = ("ys", "xs", "grad_ys", "checkpoints")
+
+
+def check_arguments(checkpoints, options: dict, passed_by_caller: Sequence[str] = ()) -> None:
+    """Raise what :func:`gradients` would for this strategy and these options.
+
+    Every entry point that calls :func:`gradients` later (``patch()``,
+    ``patched()``, ``keras.enable``, ``GradientTape``) calls this when it is
+    called, so that a misspelled strategy or option, or a bad value, raises
+    there; :func:`gradients` itself calls it first.  ``passed_by_caller``:
+    parameters the entry point passes itself, so not options there.
+    """
+    for option in options:
+        if option in _NOT_OPTIONS or option in passed_by_caller:
+            raise TypeError(
+                f"{option}= is not an option here: it is given when the gradients are "
+                f"computed. Options are {_option_names(passed_by_caller)}."
+            )
+    try:
+        _GRADIENTS_SIGNATURE.bind_partial(**options)
+    except TypeError as error:
+        raise TypeError(
+            f"gradients() {error}. Options are {_option_names(passed_by_caller)}."
+        ) from None
+    if isinstance(checkpoints, str):
+        strategies.get(checkpoints)
+    else:
+        _checkpoint_list(checkpoints)
+    _check_option_values(checkpoints, options.get("memory_budget"), options.get("batch_size"))
+
+
+def _option_names(passed_by_caller) -> list:
+    return [
+        name for name in _GRADIENTS_SIGNATURE.parameters
+        if name not in _NOT_OPTIONS and name not in passed_by_caller
+    ]
+
+
+def _check_option_values(checkpoints, memory_budget, batch_size) -> None:
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+        or batch_size < 1
+    ):
+        raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
+    if memory_budget is not None:
+        if checkpoints != "memory":
+            raise ValueError(
+                f"memory_budget is used with checkpoints='memory', not {checkpoints!r}."
+            )
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real) or not (
+            memory_budget > 0
+        ):
+            raise ValueError(
+                f"memory_budget must be a positive number of bytes; got {memory_budget!r}."
+            )
 
 
 def _gpu_visible() -> bool:
@@ -196,6 +303,9 @@ def _prepare(ys, xs) -> _Problem:
     return _Problem(graph, ys_list, xs_tensors, region)
 
 
+_GRADIENTS_SIGNATURE = inspect.signature(gradients)
+
+
 def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
     """``gradients`` with the tensors of the collection ``'checkpoints'``."""
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
@@ -219,22 +329,7 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None, b
     logs a warning that says why and falls back.  Strategies plan once per
     graph structure (:mod:`.memo`).
     """
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
-        or batch_size < 1
-    ):
-        raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
-    if memory_budget is not None:
-        if checkpoints != "memory":
-            raise ValueError(
-                f"memory_budget is used with checkpoints='memory', not {checkpoints!r}."
-            )
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real) or not (
-            memory_budget > 0
-        ):
-            raise ValueError(
-                f"memory_budget must be a positive number of bytes; got {memory_budget!r}."
-            )
+    _check_option_values(checkpoints, memory_budget, batch_size)
     if isinstance(checkpoints, str):
         strategy = strategies.get(checkpoints)
         unknown = graph_lib.has_unknown_dims(region)
@@ -254,12 +349,8 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None, b
                 _warn_nothing_kept(checkpoints, ys, xs, region, options["unknown_dim"], unknown)
             return usable
 
-        if checkpoints == "collection" or not region.ops:  # the collection can change
-            usable = choose()
-        else:
-            key = (checkpoints, memory_budget, options["unknown_dim"],
-                   memo.fingerprint(region, ys, xs))
-            usable = memo.remembered(key, region, choose)
+        key = _memo_key(checkpoints, memory_budget, batch_size, region, ys, xs)
+        usable = choose() if key is None else memo.remembered(key, region, choose)
         return usable or None
     given = _checkpoint_list(checkpoints)
     nested = [t for t in given if graph_lib.in_function_body_of(t, graph)]
@@ -300,16 +391,29 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown) -> Non
         why = (
             "the memory model predicts no set of checkpoints with a lower peak than "
             f"plain tf.gradients' {baseline.peak_bytes / 2**20:.2f} MB on this graph "
-            f"({len(region.ops)} ops between xs and ys; its activations are small "
-            "next to what the backward pass must hold anyway)"
+            f"({len(region.ops)} ops between xs and ys; {_why_nothing_helps(region)})"
         )
         if unknown:
             why += (f"; unknown dimensions ({unknown}) were counted as {unknown_dim}: "
                     "pass batch_size=N if you feed a larger batch")
-    logger.warning(
-        "checkpoints=%r keeps nothing: %s. Using plain tf.gradients (no memory is saved).",
-        checkpoints, why,
+    warnings.warn(
+        f"checkpoints={checkpoints!r} keeps nothing: {why}. Using plain tf.gradients "
+        "(no memory is saved).",
+        notices.NothingKeptWarning, stacklevel=2,
     )
+
+
+def _why_nothing_helps(region) -> str:
+    """Why no checkpoint lowers the peak: ops kept whole, or small activations."""
+    whole = sorted({op.type for op in region.order if op.type in graph_lib.CONTROL_FLOW_OP_TYPES})
+    if whole:
+        count = sum(1 for op in region.order if op.type in graph_lib.CONTROL_FLOW_OP_TYPES)
+        return (
+            f"{count} of them are loops, conditionals or function calls ({', '.join(whole)}), "
+            "which are kept whole, never split: what they hold for the backward pass "
+            "stays as in plain tf.gradients"
+        )
+    return "its activations are small next to what the backward pass must hold anyway"
 
 
 def usable_checkpoints(candidates, ys, xs, region) -> list:
@@ -525,7 +629,7 @@ def _tensor_list(value, what: str) -> list:
         if not isinstance(item, tf.Tensor):
             raise TypeError(
                 f"{what} must be tensors of the graph being differentiated; got "
-                f"{type(item).__name__} {item!r:.80}."
+                f"{_describe(item)}."
             )
         tensors.append(item)
     return tensors
@@ -547,7 +651,10 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
             x = tf.convert_to_tensor(x)  # an eager tensor: captured, as tf.gradients does
         if not isinstance(x, tf.Tensor):
             raise TypeError(
-                f"xs must be tensors or variables; got {type(x).__name__} {x!r:.80}."
+                f"xs must be tensors or variables of the graph; got {_describe(x)}. Pass "
+                "the tf.Variable (or the graph tensor) to differentiate with respect to"
+                + ("; an array is a constant, which has no gradient." if hasattr(x, "shape")
+                   else ".")
             )
         tensors.append(x)
     return tensors
@@ -569,10 +676,18 @@ def _checkpoint_list(checkpoints) -> list:
     for t in checkpoints:
         if not isinstance(t, tf.Tensor):
             raise TypeError(
-                f"every checkpoint must be a tf.Tensor of the graph; got "
-                f"{type(t).__name__} {t!r:.80}."
+                f"every checkpoint must be a tf.Tensor of the graph; got {_describe(t)}."
             )
     return list(checkpoints)
+
+
+def _describe(value) -> str:
+    """A one-line description of a value of the wrong kind (no multi-line array repr)."""
+    kind = f"{type(value).__module__}.{type(value).__name__}".replace("builtins.", "")
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"a {kind} of shape {tuple(value.shape)} and dtype {value.dtype}"
+    text = " ".join(repr(value).split())
+    return f"{kind} {text[:60] + '...' if len(text) > 60 else text}"
 
 
 def _check_same_graph(tensors, graph, what: str) -> None:

@@ -14,8 +14,10 @@ updates and random draws are stateful ops, which are never recomputed (their
 outputs are kept), and Keras 3 draws dropout masks with a stateless op from a
 kept seed, so a recomputed mask equals the original.
 
-``run_eagerly=True`` trains normally (a warning is logged once: nothing can be
-rewritten eagerly).  With ``jit_compile=True`` the recomputation survives
+``run_eagerly=True`` trains normally (an ``EagerExecutionWarning`` naming the
+model and ``run_eagerly`` is issued once: nothing can be rewritten eagerly).
+``plans(model)`` lists the :class:`~memory_saving_gradients.Plan` of every
+train step rewritten since ``enable``.  With ``jit_compile=True`` the recomputation survives
 XLA: while the step is traced for XLA, recomputed inputs depend on the
 incoming gradient through data (docs/xla.md).
 
@@ -26,8 +28,11 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 from ._tensorflow import tf  # noqa: F401  (TensorFlow before Keras)
+from . import notices
+from . import reporting
 from . import tape as tape_lib
 from . import tape_hooks
 
@@ -50,7 +55,10 @@ def enable(model, checkpoints: str = "memory", **options):
         (``memory_budget``, ``batch_size``, ...).
 
     Returns:
-      The model (changed in place).  :func:`disable` undoes it.
+      The model (changed in place).  :func:`disable` undoes it.  A
+      ``train_function`` the model already built (by an earlier ``fit``) is
+      dropped, so that the next ``fit`` traces the step again, with
+      checkpointing.  A misspelled strategy or option raises here.
     """
     kind = _model_kind(model)
     if kind == "keras3":
@@ -66,17 +74,21 @@ def enable(model, checkpoints: str = "memory", **options):
             "enable() takes a strategy name (e.g. 'memory', 'speed'): Keras builds the "
             "graph later, so tensors cannot be named in advance."
         )
+    record = reporting.Record(where=f"Keras model {model.name!r}")
+    config = tape_lib.Config.of(checkpoints, options, record)  # raises before any change
     if is_enabled(model):
         disable(model)
-    config = tape_lib.Config.of(checkpoints, options)
     own_step = model.train_step  # bound: the class's, or an instance attribute
 
     def train_step(data):
+        if tf.executing_eagerly():
+            _warn_eager(model, record)
+            return own_step(data)
         with tape_hooks.scope(config):
             return own_step(data)
 
     had_own = "train_step" in model.__dict__  # an instance attribute to put back
-    setattr(model, _ATTRIBUTE, (dict(options, checkpoints=checkpoints), had_own, own_step))
+    setattr(model, _ATTRIBUTE, (dict(options, checkpoints=checkpoints), had_own, own_step, record))
     model.train_step = train_step
     model.train_function = None  # rebuilt on the next fit()
     return model
@@ -88,13 +100,35 @@ def disable(model):
     if state is None:
         return model
     delattr(model, _ATTRIBUTE)
-    _, had_own, own_step = state
+    _, had_own, own_step, _ = state
     if had_own:
         model.train_step = own_step
     else:
         model.__dict__.pop("train_step", None)
     model.train_function = None
     return model
+
+
+def plans(model) -> list:
+    """The :class:`~memory_saving_gradients.Plan` of every train step of ``model``
+    rewritten since :func:`enable` (empty if none, or if it is not enabled)."""
+    state = getattr(model, _ATTRIBUTE, None)
+    return [] if state is None else state[3].plans
+
+
+def _warn_eager(model, record: reporting.Record) -> None:
+    """Once per enable: the model's train step runs eagerly, nothing is rewritten."""
+    reporting.ran_eagerly(record)
+    if record.warned:
+        return
+    record.warned = True
+    warnings.warn(
+        f"Keras model {model.name!r} runs its train step eagerly (compiled with "
+        "run_eagerly=True): nothing can be recomputed in eager mode, so it trains with "
+        "plain gradients (no memory saved). Compile it with run_eagerly=False to save "
+        "memory.",
+        notices.EagerExecutionWarning, stacklevel=3,
+    )
 
 
 def is_enabled(model) -> bool:

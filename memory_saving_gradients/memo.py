@@ -13,6 +13,7 @@ topological order, so that an identical retrace is not planned again.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import threading
 from typing import Callable, Sequence
@@ -25,6 +26,7 @@ CAPACITY = 128
 
 _lock = threading.Lock()
 _plans: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_figures: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
 
 
 def fingerprint(region: ForwardRegion, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> str:
@@ -72,7 +74,25 @@ def remembered(key: tuple, region: ForwardRegion, choose: Callable[[], list]) ->
     return tensors
 
 
+def remembered_plan(key: tuple, checkpoints: Sequence[tf.Tensor], make: Callable):
+    """``make()``'s :class:`~.planning.Plan` for ``checkpoints``, its figures from
+    memory when ``key`` (as for :func:`remembered`) was described before."""
+    with _lock:
+        found = _figures.get(key)
+        if found is not None:
+            _figures.move_to_end(key)
+    if found is None:
+        made = make()
+        with _lock:
+            _figures[key] = dataclasses.replace(made, checkpoints=())
+            while len(_figures) > CAPACITY:
+                _figures.popitem(last=False)
+        return made
+    return dataclasses.replace(found, checkpoints=tuple(checkpoints))
+
+
 def forget() -> None:
     """Drop every remembered plan."""
     with _lock:
         _plans.clear()
+        _figures.clear()

@@ -36,8 +36,10 @@ from typing import Iterator
 from tensorflow.python.ops import gradients_impl as _gradients_impl
 
 from ._tensorflow import tf
+from . import reporting
 from . import tape as tape_lib
 from . import tape_hooks
+from .checkpointing import check_arguments
 from .checkpointing import gradients as _checkpointed_gradients
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -101,8 +103,16 @@ _lock = threading.Lock()
 _active: list = []  # Patch objects, oldest first
 
 
-def make_gradients_v1(checkpoints="memory", **options):
-    """A function with ``tf.compat.v1.gradients``' signature that checkpoints."""
+#: Parameters of gradients() that the replacements pass themselves (not options).
+PASSED_BY_THE_REPLACEMENTS = (
+    "name", "colocate_gradients_with_ops", "gate_gradients", "aggregation_method",
+    "stop_gradients", "unconnected_gradients",
+)
+
+
+def make_gradients_v1(checkpoints="memory", record: reporting.Record | None = None, **options):
+    """A function with ``tf.compat.v1.gradients``' signature that checkpoints
+    (its rewrites are recorded in ``record``)."""
 
     def gradients(
         ys,
@@ -115,17 +125,18 @@ def make_gradients_v1(checkpoints="memory", **options):
         stop_gradients=None,
         unconnected_gradients=tf.UnconnectedGradients.NONE,
     ):
-        return _checkpointed_gradients(
-            ys, xs, grad_ys,
-            checkpoints=checkpoints,
-            name=name,
-            colocate_gradients_with_ops=colocate_gradients_with_ops,
-            gate_gradients=gate_gradients,
-            aggregation_method=aggregation_method,
-            stop_gradients=stop_gradients,
-            unconnected_gradients=unconnected_gradients,
-            **options,
-        )
+        with reporting.recording(record):
+            return _checkpointed_gradients(
+                ys, xs, grad_ys,
+                checkpoints=checkpoints,
+                name=name,
+                colocate_gradients_with_ops=colocate_gradients_with_ops,
+                gate_gradients=gate_gradients,
+                aggregation_method=aggregation_method,
+                stop_gradients=stop_gradients,
+                unconnected_gradients=unconnected_gradients,
+                **options,
+            )
 
     gradients.__doc__ = (
         f"tf.compat.v1.gradients with checkpoints={checkpoints!r} "
@@ -134,8 +145,9 @@ def make_gradients_v1(checkpoints="memory", **options):
     return _mark(gradients, "v1")
 
 
-def make_gradients_v2(checkpoints="memory", **options):
-    """A function with ``tf.gradients``' (TF2) signature that checkpoints.
+def make_gradients_v2(checkpoints="memory", record: reporting.Record | None = None, **options):
+    """A function with ``tf.gradients``' (TF2) signature that checkpoints
+    (its rewrites are recorded in ``record``).
 
     TF1 code that passes ``colocate_gradients_with_ops=`` to ``tf.gradients``
     keeps working: it is accepted as a keyword.
@@ -153,17 +165,18 @@ def make_gradients_v2(checkpoints="memory", **options):
         *,
         colocate_gradients_with_ops=False,
     ):
-        return _checkpointed_gradients(
-            ys, xs, grad_ys,
-            checkpoints=checkpoints,
-            name=name,
-            colocate_gradients_with_ops=colocate_gradients_with_ops,
-            gate_gradients=gate_gradients,
-            aggregation_method=aggregation_method,
-            stop_gradients=stop_gradients,
-            unconnected_gradients=unconnected_gradients,
-            **options,
-        )
+        with reporting.recording(record):
+            return _checkpointed_gradients(
+                ys, xs, grad_ys,
+                checkpoints=checkpoints,
+                name=name,
+                colocate_gradients_with_ops=colocate_gradients_with_ops,
+                gate_gradients=gate_gradients,
+                aggregation_method=aggregation_method,
+                stop_gradients=stop_gradients,
+                unconnected_gradients=unconnected_gradients,
+                **options,
+            )
 
     gradients.__doc__ = (
         f"tf.gradients with checkpoints={checkpoints!r} (memory_saving_gradients.patch())."
@@ -184,16 +197,22 @@ _MISSING = object()
 
 
 class Patch:
-    """An applied patch; ``undo()`` restores what it replaced (once)."""
+    """An applied patch; ``undo()`` restores what it replaced (once).
+
+    ``plans`` lists the :class:`~memory_saving_gradients.Plan` of every
+    backward pass rewritten while it was active (through a tape or a
+    ``gradients`` name), in the order they were built.
+    """
 
     def __init__(self, checkpoints, options: dict, tape: bool = True):
         self.checkpoints = checkpoints
         self.options = dict(options)
         self.tape = tape
         self._tape_token = None
+        self.record = reporting.Record()
         self.replacements = {
-            "v1": make_gradients_v1(checkpoints, **options),
-            "v2": make_gradients_v2(checkpoints, **options),
+            "v1": make_gradients_v1(checkpoints, self.record, **options),
+            "v2": make_gradients_v2(checkpoints, self.record, **options),
         }
         # (module, attribute) -> (what was there before, what we put there)
         self._slots: dict = {}
@@ -210,8 +229,15 @@ class Patch:
             self._slots[key] = (module, previous, new)
             setattr(module, attribute, new)
         if self.tape:
-            self._tape_token = tape_hooks.push(tape_lib.Config.of(self.checkpoints, self.options))
+            self._tape_token = tape_hooks.push(
+                tape_lib.Config.of(self.checkpoints, self.options, self.record)
+            )
         self.active = True
+
+    @property
+    def plans(self) -> list:
+        """The :class:`~memory_saving_gradients.Plan` of every rewrite made under this patch."""
+        return self.record.plans
 
     @property
     def slots(self) -> list:
@@ -219,7 +245,19 @@ class Patch:
         return [name for name, _ in self._slots]
 
     def undo(self) -> None:
-        """Put back what this patch replaced.  Calling it again does nothing."""
+        """Put back what this patch replaced.  Calling it again does nothing.
+
+        Warns (:class:`~memory_saving_gradients.NothingRewrittenWarning`) if
+        the patch rewrote no backward pass, with the likely cause.
+        """
+        was_active = self.active
+        self._restore()
+        if was_active:
+            reporting.warn_if_nothing_rewritten(
+                self.record, f"memory_saving_gradients.patch({self.checkpoints!r})"
+            )
+
+    def _restore(self) -> None:
         with _lock:
             if not self.active:
                 return
@@ -279,12 +317,7 @@ def patch(checkpoints="memory", tape: bool = True, **options) -> Patch:
         checkpoints = [checkpoints]
     elif not isinstance(checkpoints, str):
         checkpoints = list(checkpoints)
-    if tape and not isinstance(checkpoints, str):
-        raise TypeError(
-            "patch(tape=True) takes a strategy name (e.g. 'memory'): tapes are traced "
-            "later, in graphs that do not exist yet. Pass tape=False to patch only "
-            "tf.gradients with these tensors."
-        )
+    _check(checkpoints, tape, options)
     handle = Patch(checkpoints, options, tape)
     with _lock:
         handle._apply()
@@ -293,14 +326,38 @@ def patch(checkpoints="memory", tape: bool = True, **options) -> Patch:
     return handle
 
 
+def patched(checkpoints="memory", tape: bool = True, **options):
+    """``with patched('memory') as handle: ...``: :func:`patch` for the block, undone after it.
+
+    Bad arguments raise here, when it is called; ``handle.plans`` lists what
+    was rewritten in the block.
+    """
+    if isinstance(checkpoints, tf.Tensor):
+        checkpoints = [checkpoints]
+    elif not isinstance(checkpoints, str):
+        checkpoints = list(checkpoints)
+    _check(checkpoints, tape, options)
+    return _patched(checkpoints, tape, options)
+
+
 @contextlib.contextmanager
-def patched(checkpoints="memory", tape: bool = True, **options) -> Iterator[Patch]:
-    """``with patched('memory'): ...``: :func:`patch` for the block, undone after it."""
+def _patched(checkpoints, tape: bool, options: dict) -> Iterator[Patch]:
     handle = patch(checkpoints, tape, **options)
     try:
         yield handle
     finally:
         handle.undo()
+
+
+def _check(checkpoints, tape: bool, options: dict) -> None:
+    """Raise now what the patched functions would raise at the first trace."""
+    if tape and not isinstance(checkpoints, str):
+        raise TypeError(
+            "patch(tape=True) takes a strategy name (e.g. 'memory'): tapes are traced "
+            "later, in graphs that do not exist yet. Pass tape=False to patch only "
+            "tf.gradients with these tensors."
+        )
+    check_arguments(checkpoints, options, PASSED_BY_THE_REPLACEMENTS)
 
 
 def is_patched() -> bool:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import warnings
 
 from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
@@ -41,8 +42,11 @@ from tensorflow.python.ops import resource_variable_ops as _resource_variable_op
 from ._tensorflow import tf
 from . import graph as graph_lib
 from .checkpointing import gradients as _checkpointed_gradients
-from .checkpointing import building_gradients
+from .checkpointing import building_gradients, check_arguments
 from ._nesting import Nesting
+from . import notices
+from . import recovery
+from . import reporting
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -65,10 +69,18 @@ class Config:
 
     checkpoints: object = "memory"
     options: tuple = ()  # sorted (name, value) pairs
+    #: where the rewrites made with this configuration are recorded
+    record: object = dataclasses.field(default=None, compare=False, hash=False)
+
+    #: Parameters of gradients() that the tape passes itself (not options).
+    PASSED_BY_THE_TAPE = ("stop_gradients", "unconnected_gradients")
 
     @classmethod
-    def of(cls, checkpoints, options: dict) -> "Config":
-        return cls(checkpoints, tuple(sorted(options.items())))
+    def of(cls, checkpoints, options: dict, record: reporting.Record | None = None) -> "Config":
+        """A configuration; raises at once, as gradients() would, on a bad
+        strategy, option name or option value."""
+        check_arguments(checkpoints, options, cls.PASSED_BY_THE_TAPE)
+        return cls(checkpoints, tuple(sorted(options.items())), record)
 
 
 class _Recording:
@@ -167,18 +179,23 @@ def checkpointed_gradient(
         return ORIGINAL["gradient"](tape, target, sources, output_gradients, unconnected_gradients)
 
     if tf.executing_eagerly():
+        reporting.ran_eagerly(config.record)
         if not _eager_warned.is_set():
             _eager_warned.set()
-            logger.warning(
-                "memory_saving_gradients: GradientTape.gradient ran eagerly: "
+            warnings.warn(
+                "memory_saving_gradients: GradientTape.gradient ran eagerly (outside a "
+                "tf.function, or in a Keras model compiled with run_eagerly=True): "
                 "nothing can be recomputed in eager mode, so these are plain "
                 "tf.GradientTape gradients (no memory saved). Call it inside a "
-                "tf.function to save memory. (Logged once.)"
+                "tf.function (Keras: run_eagerly=False) to save memory. (Warned once.)",
+                notices.EagerExecutionWarning, stacklevel=3,
             )
         return plain()
     reason = _plain_reason(tape)
     if reason is not None:
         logger.debug("memory_saving_gradients: plain tape gradient (%s)", reason)
+        if reason != "inside the library":
+            reporting.left_plain(config.record, reason)
         return plain()
     if target is None:
         raise TypeError(
@@ -240,15 +257,16 @@ def checkpointed_gradient(
     results = [None] * len(flat_sources)
     if xs:
         options = dict(config.options)
-        grads = _checkpointed_gradients(
-            ys,
-            xs,
-            grad_ys,
-            checkpoints=config.checkpoints,
-            stop_gradients=_unrecorded_inputs(recording, graph, xs) or None,
-            unconnected_gradients=unconnected_gradients,
-            **options,
-        )
+        with reporting.recording(config.record):
+            grads = _checkpointed_gradients(
+                ys,
+                xs,
+                grad_ys,
+                checkpoints=config.checkpoints,
+                stop_gradients=_unrecorded_inputs(recording, graph, xs) or None,
+                unconnected_gradients=unconnected_gradients,
+                **options,
+            )
         for i, g in zip(connected, grads):
             results[i] = g
     if tf.UnconnectedGradients(unconnected_gradients) == tf.UnconnectedGradients.ZERO:
@@ -296,6 +314,9 @@ class GradientTape(tf.GradientTape):
         ``colocate_gradients_with_ops``).
 
     Its ``jacobian`` and ``batch_jacobian`` are ``tf.GradientTape``'s own.
+    A misspelled strategy or option raises here, as ``gradients`` would.
+    ``plans`` lists the :class:`~memory_saving_gradients.Plan` of every
+    backward pass it rewrote.
     """
 
     def __init__(
@@ -305,10 +326,18 @@ class GradientTape(tf.GradientTape):
         watch_accessed_variables: bool = True,
         **options,
     ):
+        record = reporting.Record()
+        try:
+            config = Config.of(checkpoints, options, record)  # raises before anything is recorded
+        except Exception:
+            if not tf.executing_eagerly():
+                recovery.after_failure()  # made inside a trace: it can trace again
+            raise
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
         self.checkpoints = checkpoints
         self.options = options
-        self._config = Config.of(checkpoints, options)
+        self.plans = record.plans
+        self._config = config
 
     # TensorFlow's own methods are called directly, so a tape-level patch
     # (which replaces them on tf.GradientTape) never applies twice.

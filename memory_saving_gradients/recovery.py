@@ -1,0 +1,81 @@
+"""Leaving nothing behind when building a backward pass fails while a function is traced.
+
+A ``tf.function`` whose first trace raises keeps the state of that trace:
+the next call is treated as a later call, and a step that creates
+variables then (an optimizer's slots, on its first ``apply_gradients``)
+fails with "Creating variables on a non-first call to a function decorated
+with tf.function", even with the patch undone.  Keras keeps such a function
+as the model's ``train_function`` and reuses it in every later ``fit``.
+
+:func:`after_failure` runs when :func:`~.checkpointing.gradients` raises
+(whatever raised: the library, or TensorFlow on the graph it builds), in
+the frames of the trace that is failing, and makes each thing being traced
+start afresh at its next call: every ``tf.function`` whose first trace is
+failing is set back to never traced (unless the failed trace created
+variables that are still referenced: those were never initialized, and a
+new trace would reuse them), and every Keras model training in these frames
+drops its ``train_function`` (Keras builds a new one at the next ``fit``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Iterator
+
+logger = logging.getLogger("memory_saving_gradients")
+
+try:
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function as _function_lib
+
+    _FIRST_TRACE = _function_lib.Function._initialize.__code__  # pylint: disable=protected-access
+except (ImportError, AttributeError):  # pragma: no cover  (another TensorFlow layout)
+    _FIRST_TRACE = None
+
+
+def after_failure() -> None:
+    """Let the ``tf.function`` s and Keras models being traced here trace again."""
+    for frame_code, owner in _frame_owners():
+        if frame_code is _FIRST_TRACE:
+            _forget_failed_first_trace(owner)
+        elif is_keras_model(owner) and getattr(owner, "train_function", None) is not None:
+            owner.train_function = None
+            logger.debug("memory_saving_gradients: dropped %s's train_function after a "
+                         "failed trace", getattr(owner, "name", owner))
+
+
+def keras_model_being_traced():
+    """The innermost Keras model whose train step these frames run, or None."""
+    for _, owner in _frame_owners():
+        if is_keras_model(owner):
+            return owner
+    return None
+
+
+def is_keras_model(value) -> bool:
+    """Whether ``value`` trains like a Keras model (Keras 3 or tf_keras)."""
+    return all(hasattr(type(value), name) for name in ("train_step", "make_train_function", "fit"))
+
+
+def _frame_owners() -> Iterator[tuple]:
+    """``(code, self)`` of every method frame on this thread's stack, innermost first."""
+    frame = sys._getframe(1)  # pylint: disable=protected-access
+    while frame is not None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_argcount else None
+        if owner is not None:
+            yield frame.f_code, owner
+        frame = frame.f_back
+
+
+def _forget_failed_first_trace(function) -> None:
+    """Set a ``tf.function`` whose first trace is failing back to never traced."""
+    if getattr(function, "_concrete_variable_creation_fn", None) is not None:
+        return  # its first trace completed: this is a later one
+    created = getattr(function, "_created_variables", None) or []
+    if any(ref() is not None for ref in created):
+        logger.debug("memory_saving_gradients: the failed trace of %s created variables; "
+                     "it is left as TensorFlow left it", getattr(function, "name", function))
+        return
+    function._created_variables = None  # pylint: disable=protected-access
+    function._variable_creation_config = None  # pylint: disable=protected-access
+    function._no_variable_creation_config = None  # pylint: disable=protected-access

@@ -1,0 +1,159 @@
+"""What the entry points did: one INFO line per rewrite, and a record of the plans.
+
+A :class:`Record` belongs to one entry point (a ``patch()``, a model's
+``keras.enable``, a ``GradientTape``).  While the entry point's gradients
+run, :func:`recording` makes it current; :func:`~.checkpointing.gradients`
+then counts the call and, for every backward pass it rewrites, logs one
+INFO line (where, strategy, checkpoints, predicted peaks, recomputation)
+and appends the :class:`~.planning.Plan` to the record.  When the entry
+point ends, :func:`warn_if_nothing_rewritten` says so if it rewrote
+nothing, with the likely cause.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import warnings
+from typing import Iterator
+
+from . import notices
+from . import recovery
+
+logger = logging.getLogger("memory_saving_gradients")
+
+
+class Record:
+    """What :func:`~.checkpointing.gradients` did for one entry point.
+
+    Attributes:
+      where: how the INFO line names what is traced (e.g. a Keras model), or
+        None to name the traced function.
+      plans: the :class:`~.planning.Plan` of every backward pass rewritten.
+      calls: gradient computations that went through the library.
+      eager: tape gradients that ran eagerly (nothing can be rewritten there).
+      plain: why other tape gradients were left to TensorFlow, with counts.
+    """
+
+    def __init__(self, where: str | None = None):
+        self.where = where
+        self.plans: list = []
+        self.calls = 0
+        self.eager = 0
+        self.plain: collections.Counter = collections.Counter()
+        self.warned = False
+
+
+_local = threading.local()
+
+
+def _stack() -> list:
+    if not hasattr(_local, "records"):
+        _local.records = []
+    return _local.records
+
+
+def current() -> Record | None:
+    """The record of the innermost entry point whose gradients run now, or None."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def recording(record: Record | None) -> Iterator[None]:
+    """Make ``record`` current inside the block (nothing changes for None)."""
+    if record is None:
+        yield
+        return
+    stack = _stack()
+    stack.append(record)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def wanted() -> bool:
+    """Whether a rewrite's plan is seen by anyone (a record, or INFO logging)."""
+    return current() is not None or logger.isEnabledFor(logging.INFO)
+
+
+def called() -> None:
+    """Count one gradient computation for the current record."""
+    record = current()
+    if record is not None:
+        record.calls += 1
+
+
+def ran_eagerly(record: Record | None) -> None:
+    if record is not None:
+        record.eager += 1
+
+
+def left_plain(record: Record | None, reason: str) -> None:
+    if record is not None:
+        record.plain[reason] += 1
+
+
+def rewrote(plan, graph) -> None:
+    """Log one INFO line for a rewritten backward pass and keep its plan."""
+    record = current()
+    if record is not None:
+        record.plans.append(plan)
+    mb = 2.0**20
+    logger.info(
+        "memory_saving_gradients: rewrote the gradients of %s: checkpoints=%r, %d "
+        "checkpoints, predicted peak %.2f MB vs %.2f MB plain (%.2fx), recomputation "
+        "%.2f of a forward pass",
+        where(graph, record), plan.strategy, len(plan.checkpoints),
+        plan.predicted_peak_bytes / mb, plan.baseline_peak_bytes / mb, plan.predicted_ratio,
+        plan.recompute_cost,
+    )
+
+
+def where(graph, record: Record | None = None) -> str:
+    """What is being traced: the record's name for it, a Keras model, or the function."""
+    if record is not None and record.where:
+        label = record.where
+    else:
+        model = recovery.keras_model_being_traced()
+        label = f"Keras model {getattr(model, 'name', '?')!r}" if model is not None else None
+    graph_name = getattr(graph, "name", None)
+    function = f"function {graph_name!r}" if graph_name else "a tf.compat.v1 graph"
+    return f"{label} ({function})" if label else function
+
+
+def warn_if_nothing_rewritten(record: Record, what: str) -> None:
+    """Once per record: a warning naming the likely cause, if nothing was rewritten."""
+    if record.plans or record.warned:
+        return
+    record.warned = True
+    if record.eager:
+        category = notices.EagerExecutionWarning
+        cause = (
+            f"{record.eager} tape gradient(s) ran eagerly, where nothing can be rewritten: "
+            "trace the step in a tf.function (for Keras: compile without run_eagerly=True)"
+        )
+    elif record.calls:
+        category = notices.NothingRewrittenWarning
+        cause = (
+            f"its {record.calls} gradient computation(s) kept no checkpoint (the warning "
+            "issued then says why) and used plain tf.gradients"
+        )
+    else:
+        category = notices.NothingRewrittenWarning
+        cause = (
+            "no gradient was built while it was active. Most likely the step was traced "
+            "before it: a tf.function called earlier, or a Keras model that already ran "
+            "fit (or train_on_batch), reuses its graph. Trace it inside the patch for the "
+            "first time: wrap the step in a new tf.function, or for Keras call "
+            "model.compile(...) again or use memory_saving_gradients.keras.enable(model), "
+            "which retraces. Gradients computed eagerly (outside tf.function, or with "
+            "run_eagerly=True) cannot be rewritten either"
+        )
+    if record.plain:
+        reasons = "; ".join(f"{n}x {reason}" for reason, n in record.plain.most_common())
+        cause += f". Tape gradients left to TensorFlow: {reasons}"
+    warnings.warn(f"{what} rewrote nothing: {cause}.", category, stacklevel=3)

@@ -1,0 +1,397 @@
+"""The one-line entry points: mistakes raise at the call, failures leave nothing
+behind, and each entry point says what it rewrote and what it did not.
+
+Models are tiny (a few dense tanh layers, batch 16): these tests check
+behaviour, not memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from tensorflow.python.ops import gradients_impl  # noqa: E402
+
+import memory_saving_gradients as msg  # noqa: E402
+from memory_saving_gradients import memo, rewrite, tape_hooks  # noqa: E402
+from memory_saving_gradients import patching  # noqa: E402
+from memory_saving_gradients import tape as tape_lib  # noqa: E402
+
+LOGGER = "memory_saving_gradients"
+WIDTH, DEPTH, BATCH = 64, 8, 256
+
+
+def _data(n=2 * BATCH):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((n, WIDTH)).astype("float32"),
+            rng.standard_normal((n, 1)).astype("float32"))
+
+
+def _keras3_model(name="tiny_keras3", **compile_args):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((WIDTH,))]
+        + [keras.layers.Dense(WIDTH, activation="tanh") for _ in range(DEPTH)]
+        + [keras.layers.Dense(1)],
+        name=name,
+    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse", **compile_args)
+    return model
+
+
+def _tf_keras_model(name="tiny_tf_keras"):
+    tf_keras = pytest.importorskip("tf_keras")
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential(
+        [tf_keras.Input((WIDTH,))]
+        + [tf_keras.layers.Dense(WIDTH, activation="tanh") for _ in range(DEPTH)]
+        + [tf_keras.layers.Dense(1)],
+        name=name,
+    )
+    model.compile(optimizer=tf_keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
+def _fit(model):
+    x, y = _data()
+    return model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+
+
+def _nothing_patched():
+    return (not patching.is_patched() and not tape_hooks.is_installed()
+            and tf.gradients is gradients_impl.gradients_v2
+            and tf.compat.v1.gradients is gradients_impl.gradients)
+
+
+# -- 1. mistakes raise at the call ---------------------------------------------------
+
+MISTAKES = [
+    (dict(checkpoints="memroy"), ValueError, "Unknown checkpoint strategy 'memroy'"),
+    (dict(checkpoints="memory", memory_budgt=2**20), TypeError,
+     "unexpected keyword argument 'memory_budgt'"),
+    (dict(checkpoints="memory", memory_budget=-1), ValueError, "memory_budget must be a positive"),
+    (dict(checkpoints="speed", memory_budget=2**20), ValueError, "memory_budget is used with"),
+    (dict(checkpoints="memory", batch_size=0), ValueError, "batch_size must be a positive integer"),
+]
+
+
+def _gradients_error(arguments):
+    """What gradients() raises for these arguments, in a graph."""
+    arguments = dict(arguments)
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 4])
+        loss = tf.reduce_sum(tf.tanh(tf.tanh(x)))
+        with pytest.raises(Exception) as raised:
+            msg.gradients(loss, [x], **arguments)
+    return raised.value
+
+
+ENTRY_POINTS = {
+    "patch": lambda a: msg.patch(**a),
+    "patched": lambda a: msg.patched(**a),  # raises when called, not when entered
+    "GradientTape": lambda a: msg.GradientTape(**a),
+    "keras.enable": lambda a: msg.keras.enable(_keras3_model(), **a),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("arguments, error, text", MISTAKES, ids=[m[2][:24] for m in MISTAKES])
+def test_a_mistake_raises_at_the_call_with_the_message_of_gradients(entry, arguments, error, text):
+    expected = _gradients_error(arguments)
+    assert isinstance(expected, error) and text in str(expected)
+    with pytest.raises(error) as raised:
+        ENTRY_POINTS[entry](arguments)
+    assert str(expected) in str(raised.value) or str(raised.value) in str(expected), (
+        str(raised.value), str(expected))
+    assert _nothing_patched()
+
+
+def test_keras_enable_that_raises_leaves_the_model_as_it_was():
+    model = _keras3_model()
+    with pytest.raises(ValueError, match="memroy"):
+        msg.keras.enable(model, checkpoints="memroy")
+    assert not msg.keras.is_enabled(model) and "train_step" not in model.__dict__
+
+
+def test_options_the_entry_point_passes_itself_are_refused_at_the_call():
+    with pytest.raises(TypeError, match="stop_gradients= is not an option here"):
+        msg.patch("memory", stop_gradients=[])
+    with pytest.raises(TypeError, match="unconnected_gradients= is not an option"):
+        msg.GradientTape(unconnected_gradients="zero")
+    assert _nothing_patched()
+
+
+def test_numpy_xs_is_a_short_type_error_that_says_what_to_pass():
+    with tf.Graph().as_default():
+        loss = tf.reduce_sum(tf.tanh(tf.ones([3, 3])))
+        with pytest.raises(TypeError) as raised:
+            msg.gradients(loss, np.ones((30, 40)))
+    text = str(raised.value)
+    assert "\n" not in text and len(text) < 300, text
+    assert "numpy.ndarray of shape (30, 40)" in text and "tf.Variable" in text
+
+
+# -- 2. a failed trace leaves nothing behind ------------------------------------------
+
+def _impossible_budget(monkeypatch):
+    return dict(memory_budget=1)
+
+
+def _internal_error(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("forced internal error")
+
+    monkeypatch.setattr(rewrite, "copy_ops", broken)
+    return {}
+
+
+def _tensorflow_error(monkeypatch):
+    """TensorFlow itself raises on the graph the library builds."""
+    original = rewrite.copy_ops
+
+    def copies_then_bad_reshape(*args, **kwargs):
+        copies = original(*args, **kwargs)
+        tensor = next(iter(copies.values()))
+        tf.reshape(tensor, [tensor.shape.num_elements() + 1])  # TF's shape check raises
+        return copies
+
+    monkeypatch.setattr(rewrite, "copy_ops", copies_then_bad_reshape)
+    return {}
+
+
+FAILURES = {"impossible budget": _impossible_budget, "internal error": _internal_error,
+            "tensorflow error": _tensorflow_error}
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+@pytest.mark.parametrize("entry", ["patched", "keras.enable"])
+def test_a_failed_trace_in_keras_3_fit_leaves_a_model_that_fits_plainly(entry, failure,
+                                                                        monkeypatch):
+    memo.forget()
+    model = _keras3_model()
+    with monkeypatch.context() as patch_context:
+        options = FAILURES[failure](patch_context)
+        with pytest.raises(Exception) as raised:
+            if entry == "patched":
+                with msg.patched("memory", **options):
+                    _fit(model)
+            else:
+                msg.keras.enable(model, "memory", **options)
+                try:
+                    _fit(model)
+                finally:
+                    msg.keras.disable(model)
+    assert "non-first call" not in str(raised.value)
+    assert _nothing_patched()
+    history = _fit(model)  # plain, no compile() in between
+    assert np.isfinite(history.history["loss"][-1])
+
+
+@pytest.mark.parametrize("failure", ["impossible budget", "internal error"])
+def test_a_failed_trace_in_tf_keras_fit_leaves_a_model_that_fits_plainly(failure, monkeypatch):
+    memo.forget()
+    model = _tf_keras_model()
+    with monkeypatch.context() as patch_context:
+        options = FAILURES[failure](patch_context)
+        with pytest.raises(Exception):
+            with msg.patched("memory", **options):
+                _fit(model)
+    history = _fit(model)
+    assert np.isfinite(history.history["loss"][-1])
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_failed_first_trace_of_a_custom_step_can_be_traced_again(failure, monkeypatch):
+    """The same tf.function, whose step builds the optimizer, runs after the failure."""
+    memo.forget()
+    model = _keras3_model()
+    optimizer = keras.optimizers.SGD(0.01)
+    x, y = _data(BATCH)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+        return loss
+
+    with monkeypatch.context() as patch_context:
+        options = FAILURES[failure](patch_context)
+        with pytest.raises(Exception):
+            with msg.patched("memory", **options):
+                step(x, y)
+    assert np.isfinite(step(x, y).numpy())
+    assert optimizer.iterations.numpy() == 1
+
+
+# -- 3. it says what it did -----------------------------------------------------------
+
+def _rewrite_lines(caplog):
+    return [r.getMessage() for r in caplog.records
+            if r.name == LOGGER and r.levelno == logging.INFO and "rewrote the gradients" in
+            r.getMessage()]
+
+
+def _assert_reported(handle, lines, where):
+    assert handle.plans, "no plan recorded"
+    assert len(lines) == len(handle.plans), lines
+    plan = handle.plans[0]
+    assert isinstance(plan, msg.Plan) and plan.checkpoints and plan.strategy == "memory"
+    assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
+    assert where in lines[0], lines[0]
+    assert f"{len(plan.checkpoints)} checkpoints" in lines[0]
+    assert f"{plan.predicted_peak_bytes / 2**20:.2f} MB vs {plan.baseline_peak_bytes / 2**20:.2f}"\
+        in lines[0]
+
+
+def test_patched_keras_3_fit_logs_one_info_line_and_keeps_the_plan(caplog):
+    model = _keras3_model(name="reported_keras3")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        with msg.patched("memory") as handle:
+            _fit(model)
+    _assert_reported(handle, _rewrite_lines(caplog), "Keras model 'reported_keras3'")
+
+
+def test_patched_tf_keras_fit_logs_one_info_line_and_keeps_the_plan(caplog):
+    model = _tf_keras_model(name="reported_tf_keras")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        with msg.patched("memory") as handle:
+            _fit(model)
+    _assert_reported(handle, _rewrite_lines(caplog), "Keras model 'reported_tf_keras'")
+
+
+def test_patched_custom_loop_logs_one_info_line_and_keeps_the_plan(caplog):
+    model = _keras3_model()
+    x, y = _data(BATCH)
+
+    @tf.function
+    def custom_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        return tape.gradient(loss, model.trainable_variables)
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        with msg.patched("memory") as handle:
+            custom_step(x, y)
+            custom_step(x, y)  # no retrace: still one rewrite
+    _assert_reported(handle, _rewrite_lines(caplog), "custom_step")
+
+
+def test_keras_enable_keeps_the_plans_and_names_the_model(caplog):
+    model = msg.keras.enable(_keras3_model(name="enabled_model"))
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        _fit(model)
+    plans = msg.keras.plans(model)  # Keras 3 may trace its step more than once
+    assert plans and all(p.checkpoints for p in plans)
+    assert len(_rewrite_lines(caplog)) == len(plans)
+    assert "Keras model 'enabled_model'" in _rewrite_lines(caplog)[0]
+
+
+def test_a_retrace_reuses_the_remembered_plan_and_predicts_nothing_again(monkeypatch):
+    memo.forget()
+    weights = [tf.Variable(tf.random.normal([WIDTH, WIDTH], seed=i)) for i in range(DEPTH)]
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for w in weights:
+                h = tf.tanh(h @ w)
+            loss = tf.reduce_sum(h)
+        return tape.gradient(loss, weights)
+
+    spec = [tf.TensorSpec([BATCH, WIDTH], tf.float32)]
+    with msg.patched("memory") as first:
+        tf.function(body, input_signature=spec).get_concrete_function()
+    from memory_saving_gradients import planning
+
+    def no_prediction(*args, **kwargs):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(planning, "make_plan", no_prediction)
+    with msg.patched("memory") as second:
+        tf.function(body, input_signature=spec).get_concrete_function()
+    assert len(second.plans) == 1
+    assert second.plans[0].predicted_peak_bytes == first.plans[0].predicted_peak_bytes
+    assert [t.name for t in second.plans[0].checkpoints] == [
+        t.name for t in first.plans[0].checkpoints]
+
+
+# -- 4. it says what it did not do ------------------------------------------------------
+
+def test_a_patch_around_a_step_traced_before_warns_with_the_cause():
+    weights = tf.Variable(tf.ones([WIDTH, WIDTH]))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(tf.tanh(x @ weights) @ weights))
+        return tape.gradient(loss, weights)
+
+    x = tf.ones([BATCH, WIDTH])
+    step(x)  # traced before the patch
+    with pytest.warns(msg.NothingRewrittenWarning, match="traced before") as caught:
+        with msg.patched("memory") as handle:
+            step(x)
+    assert handle.plans == []
+    assert len([w for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)]) == 1
+
+
+def test_a_patch_after_keras_fit_warns_and_keras_enable_retraces():
+    model = _keras3_model()
+    _fit(model)  # its train_function exists now
+    with pytest.warns(msg.NothingRewrittenWarning, match="compile"):
+        with msg.patched("memory") as handle:
+            _fit(model)
+    assert handle.plans == []
+    msg.keras.enable(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", msg.MemorySavingGradientsWarning)
+        _fit(model)
+    assert msg.keras.plans(model)
+
+
+def test_run_eagerly_warns_naming_run_eagerly():
+    model = msg.keras.enable(_keras3_model(name="eager_model", run_eagerly=True))
+    with pytest.warns(msg.EagerExecutionWarning, match="run_eagerly") as caught:
+        _fit(model)
+    assert "eager_model" in str(caught[0].message)
+    tape_lib._eager_warned.clear()
+    plain = _keras3_model(run_eagerly=True)
+    with pytest.warns(msg.EagerExecutionWarning, match="run_eagerly"):
+        with msg.patched("memory"):
+            _fit(plain)
+
+
+def test_keeping_nothing_for_a_loop_says_loops_are_kept_whole():
+    memo.forget()
+    weights = tf.Variable(tf.eye(WIDTH))
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            h = tf.while_loop(lambda i, h: i < 8, lambda i, h: (i + 1, tf.tanh(h @ weights)),
+                              (0, x))[1]
+            loss = tf.reduce_sum(h)
+        return tape.gradient(loss, weights)
+
+    spec = [tf.TensorSpec([BATCH, WIDTH], tf.float32)]
+    with pytest.warns(msg.NothingKeptWarning) as caught:
+        with msg.patched("memory"):
+            tf.function(body, input_signature=spec).get_concrete_function()
+    text = str(next(w for w in caught if w.category is msg.NothingKeptWarning).message)
+    assert "kept whole" in text and "While" in text, text
+    assert "activations are small" not in text
+
+
+def test_categories_are_exported_and_share_one_base():
+    for category in (msg.NothingKeptWarning, msg.NothingRewrittenWarning,
+                     msg.EagerExecutionWarning):
+        assert issubclass(category, msg.MemorySavingGradientsWarning)
+    assert issubclass(msg.MemorySavingGradientsWarning, UserWarning)
