@@ -209,11 +209,13 @@ def test_a_failed_trace_in_tf_keras_fit_leaves_a_model_that_fits_plainly(failure
 
 @pytest.mark.parametrize("failure", sorted(FAILURES))
 def test_a_failed_first_trace_of_a_custom_step_can_be_traced_again(failure, monkeypatch):
-    """The same tf.function, whose step builds the optimizer, runs after the failure."""
+    """The same tf.function, which creates a variable on its first call (after the
+    gradient, as an optimizer's slots are), runs after the failure."""
     memo.forget()
     model = _keras3_model()
     optimizer = keras.optimizers.SGD(0.01)
     x, y = _data(BATCH)
+    steps = []
 
     @tf.function
     def step(x, y):
@@ -221,6 +223,9 @@ def test_a_failed_first_trace_of_a_custom_step_can_be_traced_again(failure, monk
             loss = tf.reduce_mean(tf.square(model(x) - y))
         optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                                       model.trainable_variables))
+        if not steps:
+            steps.append(tf.Variable(0))  # allowed on a tf.function's first trace only
+        steps[0].assign_add(1)
         return loss
 
     with monkeypatch.context() as patch_context:
@@ -229,7 +234,7 @@ def test_a_failed_first_trace_of_a_custom_step_can_be_traced_again(failure, monk
             with msg.patched("memory", **options):
                 step(x, y)
     assert np.isfinite(step(x, y).numpy())
-    assert optimizer.iterations.numpy() == 1
+    assert optimizer.iterations.numpy() == 1 and steps[0].numpy() == 1
 
 
 # -- 3. it says what it did -----------------------------------------------------------

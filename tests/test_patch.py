@@ -217,6 +217,28 @@ def test_optimizer_minimize_goes_through_the_patch_and_gives_the_same_update():
     _assert_original()
 
 
+def test_the_classic_line_reaches_tf_gradients_but_not_an_optimizers_minimize():
+    """``tf.__dict__['gradients'] = ...`` replaces the name ``tf.gradients`` only:
+    ``minimize`` calls ``tensorflow.python.ops.gradients.gradients``, which
+    ``patch()`` replaces too."""
+    original = tf.gradients
+    g = tf.Graph()
+    with g.as_default():
+        loss, _, _ = _mlp(depth=8, width=32, batch=512)
+        try:
+            tf.__dict__["gradients"] = msg.gradients_memory
+            tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+            after_minimize = len(_recompute_ops(g))
+            tf.gradients(loss, tf.compat.v1.trainable_variables())
+            after_tf_gradients = len(_recompute_ops(g))
+        finally:
+            tf.__dict__["gradients"] = original
+        assert after_minimize == 0 and after_tf_gradients > 0
+        with msg.patched("memory"):
+            tf.compat.v1.train.MomentumOptimizer(0.1, 0.9).minimize(loss)
+        assert len(_recompute_ops(g)) > after_tf_gradients
+
+
 @pytest.mark.parametrize("name", ["gradients_memory", "gradients_speed", "gradients_collection"])
 def test_classic_assignments_keep_working(name):
     """``tf.__dict__['gradients'] = ...`` and replacing ops.gradients.gradients."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 
 import numpy as np
 import pytest
@@ -166,9 +165,9 @@ def test_non_persistent_tape_refuses_a_second_gradient(weights, x):
         twice()
 
 
-def test_eager_mode_gives_plain_gradients_and_logs_once(weights, x, caplog):
+def test_eager_mode_gives_plain_gradients_and_warns_once(weights, x):
     tape_lib._eager_warned.clear()
-    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+    with pytest.warns(msg.EagerExecutionWarning) as caught:
         for _ in range(2):
             with msg.GradientTape(checkpoints="memory") as tape:
                 loss = _forward(weights, x)
@@ -178,8 +177,8 @@ def test_eager_mode_gives_plain_gradients_and_logs_once(weights, x, caplog):
     want = tape.gradient(loss, weights)
     for a, b in zip(got, want):
         _close(a, b)
-    messages = [r for r in caplog.records if "eager" in r.getMessage()]
-    assert len(messages) == 1 and messages[0].levelno == logging.WARNING
+    messages = [w for w in caught if w.category is msg.EagerExecutionWarning]
+    assert len(messages) == 1 and "eager" in str(messages[0].message)
 
 
 def test_keras_variables_as_sources():

@@ -7,7 +7,6 @@ have rewritten the step, the traced graph must hold ``recompute`` copies.
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import numpy as np
@@ -222,17 +221,19 @@ def test_custom_gradient_recompute_grad_and_while_loop(weights, x):
     assert _recomputes(graph) > 0
 
 
-def test_eager_tapes_stay_plain_and_log_once(weights, x, caplog):
+def test_eager_tapes_stay_plain_and_warn_once(weights, x):
     tape_lib._eager_warned.clear()
     with tf.GradientTape() as tape:
         want = tape.gradient(_forward(weights, x), weights)
-    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+    with pytest.warns(msg.EagerExecutionWarning) as caught:
         with msg.patched("memory"):
             for _ in range(2):
                 with tf.GradientTape() as tape:
                     got = tape.gradient(_forward(weights, x), weights)
     _close(got, want)
-    assert len([r for r in caplog.records if "eager" in r.getMessage()]) == 1
+    eager = [w for w in caught if w.category is msg.EagerExecutionWarning]
+    assert len(eager) == 2  # the tape's, once per process, and the patch's at exit
+    assert "ran eagerly" in str(eager[-1].message)
 
 
 def test_undo_restores_the_tape_methods_in_any_order():
