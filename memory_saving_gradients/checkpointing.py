@@ -326,7 +326,7 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None, b
 
     Drops xs, ys and tensors not between them.  An explicit list that keeps
     nothing is an error; a strategy (or the collection) that finds nothing
-    logs a warning that says why and falls back.  Strategies plan once per
+    warns (``NothingKeptWarning``) why and falls back.  Strategies plan once per
     graph structure (:mod:`.memo`).
     """
     _check_option_values(checkpoints, memory_budget, batch_size)

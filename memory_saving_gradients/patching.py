@@ -304,14 +304,17 @@ def patch(checkpoints="memory", tape: bool = True, **options) -> Patch:
       checkpoints: strategy name or list of tensors, as in :func:`gradients`.
       tape: also make every ``tf.GradientTape.gradient`` called while a graph
         is traced (``tf.function``, Keras 3 and tf_keras ``fit``, custom
-        loops) checkpoint; eager tapes stay plain (logged once).  ``False``:
+        loops) checkpoint; eager tapes stay plain (warned once).  ``False``:
         only the ``gradients`` names are replaced.
-      **options: more keyword arguments for :func:`gradients`
-        (``memory_budget``, ``batch_size``, ...).
+      **options: ``memory_budget`` and ``batch_size``, as for :func:`gradients`
+        (each call's own keywords pass through).  A misspelled strategy or
+        option, or a bad value, raises here and patches nothing.
 
     Returns:
       A :class:`Patch`; call ``undo()`` (or use it in a ``with`` block) to
-      restore exactly the functions that were there.
+      restore exactly the functions that were there.  Its ``plans`` list the
+      :class:`~memory_saving_gradients.Plan` of every backward pass rewritten
+      meanwhile; ``undo()`` warns if there was none.
     """
     if isinstance(checkpoints, tf.Tensor):
         checkpoints = [checkpoints]

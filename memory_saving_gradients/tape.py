@@ -22,7 +22,7 @@ The result follows the tape's rules:
 * sources and the result may be nested structures (``tf.nest``).
 
 The tape's own gradient is used, unchanged, where nothing can be rewritten
-or where rewriting would change the meaning: eager mode (logged once per
+or where rewriting would change the meaning: eager mode (warned once per
 process), composite targets or sources (ragged, sparse), ``jacobian`` and
 ``batch_jacobian``, a tape that started recording before the patch, and
 tapes used by this library itself while it builds a backward pass (for
