@@ -102,6 +102,8 @@ def rewrote(plan, graph) -> None:
     record = current()
     if record is not None:
         record.plans.append(plan)
+    if not logger.isEnabledFor(logging.INFO):
+        return
     mb = 2.0**20
     logger.info(
         "memory_saving_gradients: rewrote the gradients of %s: checkpoints=%r, %d "
