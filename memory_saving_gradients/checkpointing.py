@@ -346,7 +346,8 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None, b
         def choose():
             usable = usable_checkpoints(strategy(ys, xs, region, **options), ys, xs, region)
             if not usable:
-                _warn_nothing_kept(checkpoints, ys, xs, region, options["unknown_dim"], unknown)
+                _warn_nothing_kept(checkpoints, ys, xs, region, options["unknown_dim"], unknown,
+                                   memory_budget)
             return usable
 
         key = _memo_key(checkpoints, memory_budget, batch_size, region, ys, xs)
@@ -379,13 +380,27 @@ def _unknown_dim(batch_size) -> int:
     return DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
 
 
-def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown) -> None:
+#: Strategies that choose with the memory model (:mod:`.simulate`).
+_MODELLED_STRATEGIES = ("memory", "balanced")
+
+
+def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
+                       memory_budget=None) -> None:
     """One warning that says why a strategy keeps nothing."""
+    plain_fits = memory_budget is not None and simulate.predict_baseline(
+        region, ys, xs, unknown_dim, fetched=True).peak_bytes <= memory_budget
     if not region.ops:
         why = "ys do not depend on xs through any op"
     elif checkpoints == "collection":
         why = (f"the collection {strategies.COLLECTION_NAME!r} holds no tensor between "
                "xs and ys (add activations with tf.compat.v1.add_to_collection)")
+    elif checkpoints not in _MODELLED_STRATEGIES:
+        what = ("the outputs of convolutions and matrix products and the tensors read by "
+                "several ops" if checkpoints == "speed" else "its tensors")
+        why = f"it keeps {what}, and none of them lies between xs and ys"
+    elif plain_fits:
+        why = (f"plain tf.gradients' predicted peak fits memory_budget="
+               f"{memory_budget / 2**20:.2f} MB, so nothing needs recomputing")
     else:
         baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched=False)
         why = (

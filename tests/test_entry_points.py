@@ -395,6 +395,24 @@ def test_keeping_nothing_for_a_loop_says_loops_are_kept_whole():
     assert "activations are small" not in text
 
 
+def _nothing_kept_message(**arguments) -> str:
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [BATCH, WIDTH])
+        h = x
+        for _ in range(DEPTH):
+            h = tf.tanh(h)
+        with pytest.warns(msg.NothingKeptWarning) as caught:
+            msg.gradients(tf.reduce_sum(h), [x], **arguments)
+    return str(next(w for w in caught if w.category is msg.NothingKeptWarning).message)
+
+
+def test_keeping_nothing_gives_the_reason_of_the_strategy_that_chose():
+    speed = _nothing_kept_message(checkpoints="speed")  # no matmul or convolution here
+    assert "convolutions and matrix products" in speed and "memory model" not in speed
+    roomy = _nothing_kept_message(checkpoints="memory", memory_budget=2**40)
+    assert "fits memory_budget=" in roomy and "memory model predicts" not in roomy
+
+
 def test_categories_are_exported_and_share_one_base():
     for category in (msg.NothingKeptWarning, msg.NothingRewrittenWarning,
                      msg.EagerExecutionWarning):
