@@ -19,6 +19,7 @@ drops its ``train_function`` (Keras builds a new one at the next ``fit``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 from typing import Iterator
@@ -50,6 +51,19 @@ def keras_model_being_traced():
         if is_keras_model(owner):
             return owner
     return None
+
+
+def keras_models_with_train_function() -> list:
+    """Every live Keras 3 or tf_keras model that holds a built ``train_function``
+    (a walk over the objects the garbage collector tracks: for warnings only)."""
+    classes = tuple(
+        module.Model for module in (sys.modules.get("keras"), sys.modules.get("tf_keras"))
+        if module is not None and isinstance(getattr(module, "Model", None), type)
+    )
+    if not classes:
+        return []
+    return [value for value in gc.get_objects()
+            if isinstance(value, classes) and getattr(value, "train_function", None) is not None]
 
 
 def is_keras_model(value) -> bool:

@@ -155,6 +155,10 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
             "which retraces. Gradients computed eagerly (outside tf.function, or with "
             "run_eagerly=True) cannot be rewritten either"
         )
+        names = [repr(getattr(m, "name", "?")) for m in recovery.keras_models_with_train_function()]
+        if names:
+            cause += (f". Keras models whose train_function was built before: "
+                      f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
     if record.plain:
         reasons = "; ".join(f"{n}x {reason}" for reason, n in record.plain.most_common())
         cause += f". Tape gradients left to TensorFlow: {reasons}"

@@ -349,10 +349,10 @@ def test_a_patch_around_a_step_traced_before_warns_with_the_cause():
     assert len([w for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)]) == 1
 
 
-def test_a_patch_after_keras_fit_warns_and_keras_enable_retraces():
-    model = _keras3_model()
+def test_a_patch_after_keras_fit_warns_naming_the_model_and_keras_enable_retraces():
+    model = _keras3_model(name="fitted_before")
     _fit(model)  # its train_function exists now
-    with pytest.warns(msg.NothingRewrittenWarning, match="compile"):
+    with pytest.warns(msg.NothingRewrittenWarning, match="compile.*'fitted_before'"):
         with msg.patched("memory") as handle:
             _fit(model)
     assert handle.plans == []
