@@ -114,6 +114,8 @@ def make_gradients_v1(checkpoints="memory", record: reporting.Record | None = No
     """A function with ``tf.compat.v1.gradients``' signature that checkpoints
     (its rewrites are recorded in ``record``)."""
 
+    check_arguments(checkpoints, options, PASSED_BY_THE_REPLACEMENTS)
+
     def gradients(
         ys,
         xs,
@@ -152,6 +154,8 @@ def make_gradients_v2(checkpoints="memory", record: reporting.Record | None = No
     TF1 code that passes ``colocate_gradients_with_ops=`` to ``tf.gradients``
     keeps working: it is accepted as a keyword.
     """
+
+    check_arguments(checkpoints, options, PASSED_BY_THE_REPLACEMENTS)
 
     def gradients(
         ys,
