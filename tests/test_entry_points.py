@@ -290,6 +290,25 @@ def test_patched_custom_loop_logs_one_info_line_and_keeps_the_plan(caplog):
     _assert_reported(handle, _rewrite_lines(caplog), "custom_step")
 
 
+def test_gradient_tape_keeps_the_plans_of_what_it_rewrote():
+    weights = [tf.Variable(tf.random.normal([WIDTH, WIDTH], seed=i) * 0.1) for i in range(DEPTH)]
+    kept = []
+
+    @tf.function
+    def step(x):
+        with msg.GradientTape(checkpoints="memory") as tape:
+            h = x
+            for w in weights:
+                h = tf.tanh(h @ w)
+            loss = tf.reduce_sum(h)
+        kept.append(tape)
+        return tape.gradient(loss, weights)
+
+    step(tf.ones([BATCH, WIDTH]))
+    (plan,) = kept[0].plans
+    assert plan.checkpoints and plan.predicted_peak_bytes < plan.baseline_peak_bytes
+
+
 def test_keras_enable_keeps_the_plans_and_names_the_model(caplog):
     model = msg.keras.enable(_keras3_model(name="enabled_model"))
     with caplog.at_level(logging.INFO, logger=LOGGER):
