@@ -20,6 +20,7 @@ from typing import Sequence, Union
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 from ._tensorflow import onednn_enabled, tf, tf_gradients
+from . import batch as batch_lib
 from . import graph as graph_lib
 from . import memo
 from ._nesting import Nesting
@@ -152,9 +153,28 @@ def plan(
             memory_budget, batch_size,
         )
     strategy = checkpoints if isinstance(checkpoints, str) else "list"
+    unknown = graph_lib.has_unknown_dims(problem.region)
+    batch_note = ()
+    if unknown and batch_size is None:
+        if memory_budget is not None and isinstance(checkpoints, str):
+            batch_size, _ = budget_batch(problem.ys, problem.xs, problem.region,
+                                         memory_budget, unknown)
+            batch_note = (f"the batch is unknown: planned at batch {batch_size}, the largest "
+                          "at which memory_budget can be met (pass batch_size= to plan for "
+                          "another)",)
+        elif checkpoints == "memory":
+            batch_note = (f"the batch is unknown: the checkpoints are chosen for every batch "
+                          f"(the least worst-case peak at batches "
+                          f"{batch_lib.describe_range()}); the peaks above are at "
+                          f"{DEFAULT_BATCH_SIZE}; plan.peak_at(batch) gives any other",)
+        elif checkpoints == "balanced":
+            batch_note = (f"the batch is unknown: the trade is made at batch "
+                          f"{batch_lib.PLANNING_BATCHES[-1]}; the peaks above are at "
+                          f"{DEFAULT_BATCH_SIZE}; plan.peak_at(batch) gives any other",)
     return planning.make_plan(
         problem.ys, problem.xs, problem.region, chosen or [], strategy,
         _unknown_dim(batch_size), onednn_enabled(), _gpu_visible(),
+        batch_known=not unknown, batch_note=batch_note,
     )
 
 
@@ -238,18 +258,21 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None, b
     if isinstance(checkpoints, str):
         strategy = strategies.get(checkpoints)
         unknown = graph_lib.has_unknown_dims(region)
+        fitting = None  # with a budget and an unknown batch: the plan its batch was found with
         if memory_budget is not None and unknown and batch_size is None:
-            raise ValueError(
-                f"memory_budget needs the size of this graph's unknown dimensions "
-                f"({unknown}): pass batch_size=N, the batch size you will feed, so "
-                "that the budget can be checked in bytes."
-            )
-        options = {"unknown_dim": _unknown_dim(batch_size)}
+            batch_size, fitting = budget_batch(ys, xs, region, memory_budget, unknown)
+        options = {"unknown_dim": _planning_dim(batch_size, unknown)}
         if memory_budget is not None:
             options["memory_budget"] = memory_budget
 
         def choose():
-            usable = usable_checkpoints(strategy(ys, xs, region, **options), ys, xs, region)
+            try:
+                found = strategy(ys, xs, region, **options)
+            except ValueError:
+                if fitting is None:
+                    raise
+                found = fitting  # it fits at that batch, by the same memory model
+            usable = usable_checkpoints(found, ys, xs, region)
             if not usable:
                 _warn_nothing_kept(checkpoints, ys, xs, region, options["unknown_dim"], unknown)
             return usable
@@ -288,6 +311,46 @@ def _unknown_dim(batch_size) -> int:
     return DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
 
 
+def _planning_dim(batch_size, unknown: str):
+    """``unknown_dim`` for a strategy: the stated batch, or None (plan for every batch)
+    where the graph has unknown dimensions and no batch is stated."""
+    if batch_size is None and unknown:
+        return None
+    return _unknown_dim(batch_size)
+
+
+_budget_batches: dict = {}  # (fingerprint, budget) -> batch
+
+
+def budget_batch(ys, xs, region, memory_budget, unknown: str) -> tuple:
+    """``(batch, checkpoints)``: the largest batch at which ``memory_budget`` can be met,
+    and the plan for every batch (``'memory'`` without a budget) that meets it there.
+
+    Raises ValueError when not even a batch of one fits.
+    """
+    fingerprint = memo.fingerprint(region, ys, xs)
+    any_batch = memo.remembered(
+        ("memory", None, None, fingerprint), region,
+        lambda: usable_checkpoints(strategies.any_batch_checkpoints(ys, xs, region),
+                                   ys, xs, region))
+    key = (fingerprint, float(memory_budget))
+    if key not in _budget_batches:
+        if len(_budget_batches) > memo.CAPACITY:
+            _budget_batches.clear()
+        model = batch_lib.PeakModel(region, ys, xs, any_batch)
+        _budget_batches[key] = model.largest_batch(memory_budget)
+    batch = _budget_batches[key]
+    if batch < 1:
+        least = batch_lib.PeakModel(region, ys, xs, any_batch).peak_at(1)
+        raise ValueError(
+            f"memory_budget={memory_budget / 2**20:.1f} MB cannot be met at any batch size: "
+            f"this graph's batch is unknown ({unknown}), and at batch 1 the least peak the "
+            f"memory model finds is {least / 2**20:.1f} MB. Raise the budget, or pass "
+            "batch_size=N to plan for the batch you feed."
+        )
+    return batch, any_batch
+
+
 def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown) -> None:
     """One warning that says why a strategy keeps nothing."""
     if not region.ops:
@@ -296,14 +359,20 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown) -> Non
         why = (f"the collection {strategies.COLLECTION_NAME!r} holds no tensor between "
                "xs and ys (add activations with tf.compat.v1.add_to_collection)")
     else:
-        baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched=False)
+        any_batch = unknown_dim is None
+        at = batch_lib.PLANNING_BATCHES[-1] if any_batch else unknown_dim
+        baseline = simulate.predict_baseline(region, ys, xs, at, fetched=False)
         why = (
             "the memory model predicts no set of checkpoints with a lower peak than "
             f"plain tf.gradients' {baseline.peak_bytes / 2**20:.2f} MB on this graph "
             f"({len(region.ops)} ops between xs and ys; its activations are small "
             "next to what the backward pass must hold anyway)"
         )
-        if unknown:
+        if unknown and any_batch:
+            why += (f"; unknown dimensions ({unknown}) were planned for every batch, "
+                    f"judged at {batch_lib.describe_range()} (the figure is at "
+                    f"{at}): pass batch_size=N to plan for one batch")
+        elif unknown:
             why += (f"; unknown dimensions ({unknown}) were counted as {unknown_dim}: "
                     "pass batch_size=N if you feed a larger batch")
     logger.warning(
