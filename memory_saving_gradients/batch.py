@@ -22,6 +22,11 @@ from . import simulate
 #: activations, which checkpointing reduces, dominate.
 PLANNING_BATCHES = (8, 64, 512, 4096)
 
+#: What a largest batch leaves free, as a fraction of the predicted peak: the memory
+#: model leaves out kernels' scratch space and what the executor's parallelism keeps
+#: alive at once (docs/planner.md, "The largest batch that fits").
+HEADROOM = 0.1
+
 #: The largest batch :func:`largest_fitting` considers.
 BATCH_LIMIT = 2**24
 
@@ -60,13 +65,15 @@ class PeakModel:
         return self._peaks[key]
 
     def largest_batch(self, memory_bytes: float, plain: bool = False, fixed_bytes: float = 0,
-                      per_example_bytes: float = 0) -> int:
-        """The largest batch whose predicted peak, plus ``fixed_bytes + per_example_bytes *
-        batch`` (what the step needs besides, e.g. weights and the input batch), fits
-        ``memory_bytes``; 0 when not even a batch of one does."""
+                      per_example_bytes: float = 0, headroom: float | None = None) -> int:
+        """The largest batch whose predicted peak times ``1 + headroom`` (``HEADROOM``
+        unless given), plus ``fixed_bytes + per_example_bytes * batch`` (what the step
+        needs besides, e.g. weights and the input batch), fits ``memory_bytes``; 0 when
+        not even a batch of one does."""
+        scale = 1 + (HEADROOM if headroom is None else headroom)
 
         def need(batch):
-            return self.peak_at(batch, plain) + fixed_bytes + per_example_bytes * batch
+            return scale * self.peak_at(batch, plain) + fixed_bytes + per_example_bytes * batch
 
         return largest_fitting(need, memory_bytes)
 

@@ -53,14 +53,17 @@ class Plan:
         return self._model.peak_at(batch, plain)
 
     def largest_batch(self, memory_bytes: float, plain: bool = False,
-                      fixed_bytes: float = 0, per_example_bytes: float = 0) -> int:
+                      fixed_bytes: float = 0, per_example_bytes: float = 0,
+                      headroom: float | None = None) -> int:
         """The largest batch whose predicted peak (of this plan, or of plain
         ``tf.gradients`` with ``plain=True``) fits ``memory_bytes``; 0 if none does.
 
-        ``fixed_bytes`` and ``per_example_bytes * batch`` are added to the peak:
-        what the step needs besides the allocations the model counts (e.g. weights
-        and optimizer slots allocated before the step, the input batch).  Raises
-        ValueError on a graph whose batch is fixed (no unknown dimension).
+        The peak counts ``headroom`` more (``batch.HEADROOM``, 10%, unless given):
+        what the model leaves out.  ``fixed_bytes`` and ``per_example_bytes * batch``
+        are added to it: what the step needs besides the allocations the model
+        counts (e.g. weights and optimizer slots allocated before the step, the
+        input batch).  Raises ValueError on a graph whose batch is fixed (no
+        unknown dimension).
         """
         if self._model is None or self.batch is None:
             raise ValueError(
@@ -68,7 +71,8 @@ class Plan:
                 "traced: this graph's shapes are fully known, so its peak does not depend "
                 "on a batch. Trace the step with a [None, ...] input."
             )
-        return self._model.largest_batch(memory_bytes, plain, fixed_bytes, per_example_bytes)
+        return self._model.largest_batch(memory_bytes, plain, fixed_bytes, per_example_bytes,
+                                         headroom)
 
     @property
     def predicted_ratio(self) -> float:
