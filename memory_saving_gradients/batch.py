@@ -25,7 +25,7 @@ PLANNING_BATCHES = (8, 64, 512, 4096)
 #: What a largest batch leaves free, as a fraction of the predicted peak: the memory
 #: model leaves out kernels' scratch space and what the executor's parallelism keeps
 #: alive at once (docs/planner.md, "The largest batch that fits").
-HEADROOM = 0.1
+HEADROOM = 0.15
 
 #: The largest batch :func:`largest_fitting` considers.
 BATCH_LIMIT = 2**24

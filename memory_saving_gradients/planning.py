@@ -58,7 +58,7 @@ class Plan:
         """The largest batch whose predicted peak (of this plan, or of plain
         ``tf.gradients`` with ``plain=True``) fits ``memory_bytes``; 0 if none does.
 
-        The peak counts ``headroom`` more (``batch.HEADROOM``, 10%, unless given):
+        The peak counts ``headroom`` more (``batch.HEADROOM``, 15%, unless given):
         what the model leaves out.  ``fixed_bytes`` and ``per_example_bytes * batch``
         are added to it: what the step needs besides the allocations the model
         counts (e.g. weights and optimizer slots allocated before the step, the
