@@ -176,7 +176,7 @@ def largest_batch(model, memory: float | None = None, checkpoints: str | None = 
     if memory is None:
         memory = device_free_memory()
     plan = step_plan(model, checkpoints or "memory", input_spec)
-    fixed = _variables_bytes(model)
+    fixed = model_bytes(model)
     per_example = sum(_bytes_per_example(s) for s in _input_specs(model, input_spec))
     per_example += sum(_bytes_per_example(o) for o in tf.nest.flatten(_output_specs(model)))
     per_example *= INPUT_BATCHES
@@ -232,7 +232,7 @@ def _bytes_per_example(spec) -> int:
     return count * tf.as_dtype(spec.dtype).size
 
 
-def _variables_bytes(model) -> int:
+def model_bytes(model) -> int:
     """Bytes of the model's variables and its optimizer's (built here if needed)."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not getattr(optimizer, "built", True):

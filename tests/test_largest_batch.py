@@ -149,7 +149,7 @@ def _fit_total(keras, model, batch, patched):
     else:
         model.fit(data.take(1), verbose=0)
     peak = msg.peak_memory_during(lambda: model.fit(data, verbose=0))
-    return peak + msg.keras._variables_bytes(model)
+    return peak + msg.keras.model_bytes(model)
 
 
 def test_keras_largest_batch():
