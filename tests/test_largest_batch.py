@@ -53,7 +53,8 @@ def test_unknown_batch_plan_is_near_the_stated_plan_at_every_batch(name, graph):
         assert stated.batch == batch
         predicted = ours.peak_at(batch)
         print(f"{name} batch {batch}: {predicted / MB:.1f} MB, stated plan "
-              f"{stated.predicted_peak_bytes / MB:.1f} MB, plain {ours.peak_at(batch, True) / MB:.1f}")
+              f"{stated.predicted_peak_bytes / MB:.1f} MB, "
+              f"plain {ours.peak_at(batch, True) / MB:.1f}")
         assert _within(predicted, stated.predicted_peak_bytes), (batch, predicted, stated)
         # the model is evaluated at that batch: the same as a plan made there
         assert ours.peak_at(batch, plain=True) == stated.baseline_peak_bytes

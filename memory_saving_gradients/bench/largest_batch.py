@@ -29,7 +29,8 @@ SIZES: Dict[str, dict] = {
     "mlp": dict(depth=64, width=256),
 }
 QUICK_SIZES: Dict[str, dict] = {
-    "resnet": dict(depth=8),  # width 16: oneDNN crashes on 1x1 stride-2 filter gradients of <= 8 channels
+    # width 16: oneDNN crashes on 1x1 stride-2 filter gradients of <= 8 channels
+    "resnet": dict(depth=8),
     "transformer": dict(layers=2, d_model=16, heads=2, seq_len=8, vocab=32),
     "unet": dict(levels=2, base=4, image_size=8),
     "mlp": dict(depth=6, width=16),
@@ -126,8 +127,8 @@ def run(names: List[str], memory_mb: float, quick: bool = False) -> List[Row]:
                             None if least is None else least / MB,
                             None if most is None else most / MB,
                             planned / 2 + time.time() - start, error))
-            print(f"  {name} {variant:>12}: batch {batch}, predicted {predicted[plain] / MB:.1f} MB, "
-                  f"measured {'-' if least is None else f'{least / MB:.1f}-{most / MB:.1f}'} MB")
+            print(f"  {name} {variant:>12}: batch {batch}, "
+                  f"predicted {predicted[plain] / MB:.1f} MB, measured {'-' if least is None else f'{least / MB:.1f}-{most / MB:.1f}'} MB")
     return rows
 
 
@@ -142,9 +143,10 @@ def markdown(rows: List[Row]) -> str:
         measured = "-" if r.measured_mb is None else f"{r.measured_mb:.1f}-{r.measured_max_mb:.1f}"
         ratio = r.batch / plain[r.model] if plain.get(r.model) else float("nan")
         fits = "" if r.fits is None else ("yes" if r.fits else "NO")
+        if r.error:
+            fits += " " + r.error
         lines.append(f"| {r.model} | {r.size} | {r.memory_mb:g} | {r.variant} | {r.batch} | "
-                     f"{r.predicted_mb:.1f} | {measured} | {fits}{' ' + r.error if r.error else ''} "
-                     f"| {ratio:.2f}x |")
+                     f"{r.predicted_mb:.1f} | {measured} | {fits} | {ratio:.2f}x |")
     return "\n".join(lines)
 
 
