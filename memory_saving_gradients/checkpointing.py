@@ -22,6 +22,7 @@ from typing import Sequence, Union
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 from ._tensorflow import onednn_enabled, tf, tf_gradients
+from . import batch as batch_lib
 from . import graph as graph_lib
 from . import memo
 from ._nesting import Nesting
@@ -186,25 +187,51 @@ def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size) -> plannin
     """The :class:`Plan` of ``chosen``; its figures are remembered with the
     checkpoints (:mod:`.memo`), so that a retrace predicts nothing again."""
     strategy = checkpoints if isinstance(checkpoints, str) else "list"
+    unknown = graph_lib.has_unknown_dims(problem.region)
+    batch_size, batch_note = _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown)
 
     def make():
         return planning.make_plan(
             problem.ys, problem.xs, problem.region, chosen, strategy,
             _unknown_dim(batch_size), onednn_enabled(), _gpu_visible(),
+            batch_known=not unknown, batch_note=batch_note,
         )
 
-    key = _memo_key(checkpoints, memory_budget, batch_size, problem.region, problem.ys, problem.xs)
+    key = _memo_key(checkpoints, memory_budget, _planning_dim(batch_size, unknown),
+                    problem.region, problem.ys, problem.xs)
     if key is None:
         return make()
     return memo.remembered_plan(key, chosen, make)
 
 
-def _memo_key(checkpoints, memory_budget, batch_size, region, ys, xs):
+def _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown) -> tuple:
+    """``(batch_size, notes)``: the batch a plan's figures are given at, and what its
+    assumptions say about how the batch was chosen when it is unknown."""
+    if not unknown or batch_size is not None:
+        return batch_size, ()
+    if memory_budget is not None and isinstance(checkpoints, str):
+        batch_size, _ = budget_batch(problem.ys, problem.xs, problem.region, memory_budget, unknown)
+        return batch_size, (f"the batch is unknown: planned at batch {batch_size}, the largest "
+                            "at which memory_budget can be met (pass batch_size= to plan for "
+                            "another)",)
+    if checkpoints == "memory":
+        return None, (f"the batch is unknown: the checkpoints are chosen for every batch "
+                      f"(the least worst-case peak at batches "
+                      f"{batch_lib.describe_range()}); the peaks above are at "
+                      f"{DEFAULT_BATCH_SIZE}; plan.peak_at(batch) gives any other",)
+    if checkpoints == "balanced":
+        return None, (f"the batch is unknown: the trade is made at batch "
+                      f"{batch_lib.PLANNING_BATCHES[-1]}; the peaks above are at "
+                      f"{DEFAULT_BATCH_SIZE}; plan.peak_at(batch) gives any other",)
+    return None, ()
+
+
+def _memo_key(checkpoints, memory_budget, planning_dim, region, ys, xs):
     """What a strategy's plan is remembered by, or None where it is not (lists,
     the collection, which can change, and empty regions)."""
     if not isinstance(checkpoints, str) or checkpoints == "collection" or not region.ops:
         return None
-    return (checkpoints, memory_budget, _unknown_dim(batch_size), memo.fingerprint(region, ys, xs))
+    return (checkpoints, memory_budget, planning_dim, memo.fingerprint(region, ys, xs))
 
 
 #: Parameters of :func:`gradients` that are not options of an entry point.
@@ -333,24 +360,27 @@ def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None, b
     if isinstance(checkpoints, str):
         strategy = strategies.get(checkpoints)
         unknown = graph_lib.has_unknown_dims(region)
+        fitting = None  # with a budget and an unknown batch: the plan its batch was found with
         if memory_budget is not None and unknown and batch_size is None:
-            raise ValueError(
-                f"memory_budget needs the size of this graph's unknown dimensions "
-                f"({unknown}): pass batch_size=N, the batch size you will feed, so "
-                "that the budget can be checked in bytes."
-            )
-        options = {"unknown_dim": _unknown_dim(batch_size)}
+            batch_size, fitting = budget_batch(ys, xs, region, memory_budget, unknown)
+        options = {"unknown_dim": _planning_dim(batch_size, unknown)}
         if memory_budget is not None:
             options["memory_budget"] = memory_budget
 
         def choose():
-            usable = usable_checkpoints(strategy(ys, xs, region, **options), ys, xs, region)
+            try:
+                found = strategy(ys, xs, region, **options)
+            except ValueError:
+                if fitting is None:
+                    raise
+                found = fitting  # it fits at that batch, by the same memory model
+            usable = usable_checkpoints(found, ys, xs, region)
             if not usable:
                 _warn_nothing_kept(checkpoints, ys, xs, region, options["unknown_dim"], unknown,
                                    memory_budget)
             return usable
 
-        key = _memo_key(checkpoints, memory_budget, batch_size, region, ys, xs)
+        key = _memo_key(checkpoints, memory_budget, options["unknown_dim"], region, ys, xs)
         usable = choose() if key is None else memo.remembered(key, region, choose)
         return usable or None
     given = _checkpoint_list(checkpoints)
@@ -380,6 +410,46 @@ def _unknown_dim(batch_size) -> int:
     return DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
 
 
+def _planning_dim(batch_size, unknown: str):
+    """``unknown_dim`` for a strategy: the stated batch, or None (plan for every batch)
+    where the graph has unknown dimensions and no batch is stated."""
+    if batch_size is None and unknown:
+        return None
+    return _unknown_dim(batch_size)
+
+
+_budget_batches: dict = {}  # (fingerprint, budget) -> batch
+
+
+def budget_batch(ys, xs, region, memory_budget, unknown: str) -> tuple:
+    """``(batch, checkpoints)``: the largest batch at which ``memory_budget`` can be met,
+    and the plan for every batch (``'memory'`` without a budget) that meets it there.
+
+    Raises ValueError when not even a batch of one fits.
+    """
+    fingerprint = memo.fingerprint(region, ys, xs)
+    any_batch = memo.remembered(
+        ("memory", None, None, fingerprint), region,
+        lambda: usable_checkpoints(strategies.any_batch_checkpoints(ys, xs, region),
+                                   ys, xs, region))
+    key = (fingerprint, float(memory_budget))
+    if key not in _budget_batches:
+        if len(_budget_batches) > memo.CAPACITY:
+            _budget_batches.clear()
+        model = batch_lib.PeakModel(region, ys, xs, any_batch)
+        _budget_batches[key] = model.largest_batch(memory_budget)
+    batch = _budget_batches[key]
+    if batch < 1:
+        least = batch_lib.PeakModel(region, ys, xs, any_batch).peak_at(1)
+        raise ValueError(
+            f"memory_budget={memory_budget / 2**20:.1f} MB cannot be met at any batch size: "
+            f"this graph's batch is unknown ({unknown}), and at batch 1 the least peak the "
+            f"memory model finds is {least / 2**20:.1f} MB. Raise the budget, or pass "
+            "batch_size=N to plan for the batch you feed."
+        )
+    return batch, any_batch
+
+
 #: Strategies that choose with the memory model (:mod:`.simulate`).
 _MODELLED_STRATEGIES = ("memory", "balanced")
 
@@ -402,13 +472,19 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
         why = (f"plain tf.gradients' predicted peak fits memory_budget="
                f"{memory_budget / 2**20:.2f} MB, so nothing needs recomputing")
     else:
-        baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched=False)
+        any_batch = unknown_dim is None
+        at = batch_lib.PLANNING_BATCHES[-1] if any_batch else unknown_dim
+        baseline = simulate.predict_baseline(region, ys, xs, at, fetched=False)
         why = (
             "the memory model predicts no set of checkpoints with a lower peak than "
             f"plain tf.gradients' {baseline.peak_bytes / 2**20:.2f} MB on this graph "
             f"({len(region.ops)} ops between xs and ys; {_why_nothing_helps(region)})"
         )
-        if unknown:
+        if unknown and any_batch:
+            why += (f"; unknown dimensions ({unknown}) were planned for every batch, "
+                    f"judged at {batch_lib.describe_range()} (the figure is at "
+                    f"{at}): pass batch_size=N to plan for one batch")
+        elif unknown:
             why += (f"; unknown dimensions ({unknown}) were counted as {unknown_dim}: "
                     "pass batch_size=N if you feed a larger batch")
     warnings.warn(

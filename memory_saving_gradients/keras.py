@@ -158,3 +158,130 @@ def _model_kind(model) -> str:
         "`with memory_saving_gradients.patched():`), which makes every "
         "tf.GradientTape checkpoint while a graph is traced."
     )
+
+
+#: Input batches alive during a step: the one being trained and the one ``tf.data``
+#: prefetches meanwhile (Keras' data adapters prefetch).
+INPUT_BATCHES = 2
+
+
+def step_plan(model, checkpoints: str = "memory", input_spec=None):
+    """The :class:`~memory_saving_gradients.Plan` of one training step of ``model``,
+    traced once on its input spec with the batch dimension unknown.
+
+    The step is the model's forward pass in training mode and the gradient of
+    its outputs' mean square with respect to its trainable weights (the loss
+    adds a few tensors of the outputs' size; it is not the compiled one,
+    whose labels this function has no shape for).  ``input_spec``: a
+    ``tf.TensorSpec`` (or a list of them, one per input) when the model has no
+    ``inputs`` (a subclassed model never called on a ``keras.Input``).
+    """
+    _model_kind(model)
+    specs = _input_specs(model, input_spec)
+    found = []
+
+    def step(*inputs):
+        from . import checkpointing
+
+        outputs = model(inputs[0] if len(inputs) == 1 else list(inputs), training=True)
+        loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, tf.float32)))
+                         for o in tf.nest.flatten(outputs)])
+        found.append(checkpointing.plan(loss, list(model.trainable_variables), checkpoints))
+        return loss
+
+    tf.function(step, input_signature=specs, autograph=False).get_concrete_function()
+    return found[-1]
+
+
+def largest_batch(model, memory: float | None = None, checkpoints: str | None = "memory",
+                  input_spec=None, headroom: float | None = None) -> int:
+    """The largest batch whose predicted training step fits ``memory`` bytes.
+
+    What must fit: the model's variables and its optimizer's slot variables
+    (the optimizer is built if it is not yet, as ``fit`` would), two input
+    batches (``INPUT_BATCHES``) with targets the size of the outputs, and the step's predicted peak
+    (:func:`step_plan`, with ``headroom`` added), with ``checkpoints`` (a
+    strategy name; None for plain ``tf.gradients``).
+
+    ``memory`` defaults to the free memory of the first GPU TensorFlow sees
+    (its allocator's limit minus what it holds); without a GPU it must be
+    given.  Returns 0 when not even a batch of one fits.
+    """
+    if memory is None:
+        memory = device_free_memory()
+    plan = step_plan(model, checkpoints or "memory", input_spec)
+    fixed = model_bytes(model)
+    per_example = sum(_bytes_per_example(s) for s in _input_specs(model, input_spec))
+    per_example += sum(_bytes_per_example(o) for o in tf.nest.flatten(_output_specs(model)))
+    per_example *= INPUT_BATCHES
+    room = memory - fixed
+    if room <= 0:
+        return 0
+    return plan.largest_batch(room, plain=checkpoints is None, per_example_bytes=per_example,
+                              headroom=headroom)
+
+
+def device_free_memory(device: str = "GPU:0") -> int:
+    """Bytes TensorFlow's allocator can still hand out on ``device``: its limit (the
+    ``memory_limit`` TensorFlow reports for the device) minus what it holds now.
+    ValueError where TensorFlow sees no GPU."""
+    if not tf.config.list_physical_devices("GPU"):
+        raise ValueError(
+            "largest_batch: no GPU is visible, so there is no device memory to default to; "
+            "pass memory=<bytes> (e.g. memory=4 * 2**30)."
+        )
+    from tensorflow.python.client import device_lib
+
+    index = int(device.rsplit(":", 1)[-1])
+    gpus = [d for d in device_lib.list_local_devices() if d.device_type == "GPU"]
+    limit = int(gpus[index].memory_limit)
+    held = tf.config.experimental.get_memory_info(device)["current"]
+    return max(0, limit - held)
+
+
+def _input_specs(model, input_spec) -> list:
+    if input_spec is not None:
+        specs = list(input_spec) if isinstance(input_spec, (list, tuple)) else [input_spec]
+    else:
+        inputs = getattr(model, "inputs", None)
+        if not inputs:
+            raise ValueError(
+                f"{type(model).__name__} has no inputs (never called on keras.Input): pass "
+                "input_spec=tf.TensorSpec([None, ...], dtype) for one example batch."
+            )
+        specs = [tf.TensorSpec(t.shape, getattr(t.dtype, "name", t.dtype)) for t in inputs]
+    return [tf.TensorSpec([None] + list(s.shape)[1:], s.dtype) for s in specs]
+
+
+def _output_specs(model) -> list:
+    outputs = getattr(model, "outputs", None) or []
+    return [tf.TensorSpec([None] + list(t.shape)[1:], getattr(t.dtype, "name", t.dtype))
+            for t in outputs]
+
+
+def _bytes_per_example(spec) -> int:
+    count = 1
+    for d in list(spec.shape)[1:]:
+        count *= int(d or 1)
+    return count * tf.as_dtype(spec.dtype).size
+
+
+def model_bytes(model) -> int:
+    """Bytes of the model's variables and its optimizer's (built here if needed)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not getattr(optimizer, "built", True):
+        optimizer.build(model.trainable_variables)
+    variables = list(model.variables) + list(getattr(optimizer, "variables", []) or [])
+    if callable(getattr(optimizer, "variables", None)):  # tf_keras legacy optimizers
+        variables = list(model.variables) + list(optimizer.variables())
+    seen, total = set(), 0
+    for v in variables:
+        key = id(v)
+        if key in seen:
+            continue
+        seen.add(key)
+        count = 1
+        for d in v.shape:
+            count *= int(d)
+        total += count * tf.as_dtype(getattr(v.dtype, "name", v.dtype)).size
+    return total

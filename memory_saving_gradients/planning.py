@@ -6,6 +6,7 @@ import dataclasses
 from typing import Sequence
 
 from . import _gc
+from . import batch as batch_lib
 from . import graph as graph_lib
 from . import simulate
 
@@ -23,6 +24,9 @@ class Plan:
       assumptions: what the memory model had to assume (unknown dimensions).
       recomputed_ops: ``(op type, count)`` of the copies the backward pass runs,
         most frequent first (copies that nothing reads are pruned, not run).
+      batch: on a graph with unknown dimensions (an unknown batch), the batch the
+        two peaks above are predicted at; None when every shape is known.
+        :meth:`peak_at` and :meth:`largest_batch` answer for any batch.
     """
 
     checkpoints: tuple
@@ -32,6 +36,43 @@ class Plan:
     strategy: str
     assumptions: tuple = ()
     recomputed_ops: tuple = ()
+    batch: int | None = None
+    _model: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def batch_known(self) -> bool:
+        """Whether the graph's shapes are fully known (then peaks do not depend on a batch)."""
+        return self.batch is None
+
+    def peak_at(self, batch: int, plain: bool = False) -> int:
+        """Predicted peak bytes when the graph is fed at ``batch`` (every unknown
+        dimension counted as ``batch``): of this plan, or of plain ``tf.gradients``
+        (``plain=True``).  On a graph without unknown dimensions, the same at every batch."""
+        if self._model is None:
+            return self.baseline_peak_bytes if plain else self.predicted_peak_bytes
+        return self._model.peak_at(batch, plain)
+
+    def largest_batch(self, memory_bytes: float, plain: bool = False,
+                      fixed_bytes: float = 0, per_example_bytes: float = 0,
+                      headroom: float | None = None) -> int:
+        """The largest batch whose predicted peak (of this plan, or of plain
+        ``tf.gradients`` with ``plain=True``) fits ``memory_bytes``; 0 if none does.
+
+        The peak counts ``headroom`` more (``batch.HEADROOM``, 15%, unless given):
+        what the model leaves out.  ``fixed_bytes`` and ``per_example_bytes * batch``
+        are added to it: what the step needs besides the allocations the model
+        counts (e.g. weights and optimizer slots allocated before the step, the
+        input batch).  Raises ValueError on a graph whose batch is fixed (no
+        unknown dimension).
+        """
+        if self._model is None or self.batch is None:
+            raise ValueError(
+                "largest_batch needs a graph whose batch dimension is unknown (None) when "
+                "traced: this graph's shapes are fully known, so its peak does not depend "
+                "on a batch. Trace the step with a [None, ...] input."
+            )
+        return self._model.largest_batch(memory_bytes, plain, fixed_bytes, per_example_bytes,
+                                         headroom)
 
     @property
     def predicted_ratio(self) -> float:
@@ -52,22 +93,32 @@ class Plan:
             )
         for t in self.checkpoints:
             lines.append(
-                f"  {t.name:<60s} {str(t.shape):<22s} {graph_lib.tensor_bytes(t) / mb:9.2f} MB"
+                f"  {t.name:<60s} {str(t.shape):<22s} "
+                f"{graph_lib.tensor_bytes(t, self.batch or 1) / mb:9.2f} MB"
             )
         lines.extend(f"  assumed: {a}" for a in self.assumptions)
+        if self.batch is not None and self._model is not None:
+            lines.append("  predicted peak by batch (this plan / tf.gradients): " + ", ".join(
+                f"{b}: {self.peak_at(b) / mb:.1f} / {self.peak_at(b, plain=True) / mb:.1f} MB"
+                for b in batch_lib.PLANNING_BATCHES))
         return "\n".join(lines)
 
 
 @_gc.without_cyclic_gc
 def make_plan(
     ys, xs, region, checkpoints: Sequence, strategy: str, unknown_dim: int = 1,
-    onednn: bool = True, gpu: bool = False,
+    onednn: bool = True, gpu: bool = False, batch_known: bool = True, batch_note: tuple = (),
 ) -> Plan:
     """Predict both peaks for a chosen set of checkpoints (pure: nothing is built);
     unknown dimensions count as ``unknown_dim``; ``onednn`` and ``gpu`` describe
-    the machine (see :func:`simulate.workspace_note`)."""
-    predicted = simulate.predict_checkpointed(region, ys, xs, checkpoints, unknown_dim)
-    baseline = simulate.predict_baseline(region, ys, xs, unknown_dim)
+    the machine (see :func:`simulate.workspace_note`).  ``batch_known``: the graph
+    has no unknown dimension; ``batch_note``: how the batch was chosen, for
+    ``assumptions``."""
+    model = batch_lib.PeakModel(region, ys, xs, checkpoints)
+    sizer = simulate.Sizer(unknown_dim)
+    predicted = simulate.predict_checkpointed(region, ys, xs, checkpoints, unknown_dim,
+                                              sizer=sizer)
+    baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, sizer=sizer)
     return Plan(
         checkpoints=tuple(checkpoints),
         predicted_peak_bytes=predicted.peak_bytes,
@@ -75,6 +126,8 @@ def make_plan(
         recompute_cost=predicted.recompute_cost,
         strategy=strategy,
         assumptions=tuple(sorted(set(predicted.assumptions + baseline.assumptions)))
-        + simulate.workspace_note(region, onednn, gpu),
+        + tuple(batch_note) + simulate.workspace_note(region, onednn, gpu),
         recomputed_ops=predicted.recomputed_ops,
+        batch=None if batch_known else int(unknown_dim),
+        _model=None if batch_known else model,
     )

@@ -13,6 +13,7 @@ from typing import Callable, Sequence
 
 from ._tensorflow import tf
 from . import _gc
+from . import batch as batch_lib
 from . import budget as budget_lib
 from . import cuts as cuts_lib
 from . import graph as graph_lib
@@ -106,7 +107,11 @@ def memory(
     recomputation whose predicted peak fits it; ValueError if none does.  For
     a trade of memory against recomputation, use ``'balanced'``.  A budget at or above
     plain ``tf.gradients``' predicted peak keeps nothing (plain gradients).
+    ``unknown_dim=None`` (the graph's batch is unknown and not stated): the plan
+    for every batch, :func:`any_batch_checkpoints`.
     """
+    if unknown_dim is None:
+        return any_batch_checkpoints(ys, xs, region, trade=False)
     return memory_checkpoints(ys, xs, region, memory_budget, unknown_dim, trade=False)
 
 
@@ -130,8 +135,57 @@ def balanced(
     grows with the model as the least one does (about sqrt(depth) on a chain
     or a residual net).  (``gradients`` accepts ``memory_budget`` with
     'memory' only; called directly with one, this is 'memory'.)
+    ``unknown_dim=None`` (the batch is unknown and not stated): the trade made
+    at the largest of ``batch.PLANNING_BATCHES``, where activations dominate.
     """
+    if unknown_dim is None:
+        unknown_dim = batch_lib.PLANNING_BATCHES[-1]
     return memory_checkpoints(ys, xs, region, memory_budget, unknown_dim, trade=True)
+
+
+@_gc.without_cyclic_gc
+def any_batch_checkpoints(ys, xs, region, trade: bool = False,
+                          batches: Sequence[int] = batch_lib.PLANNING_BATCHES) -> list:
+    """'memory' for a graph whose batch (its unknown dimensions) is not known.
+
+    A plan is made at each of ``batches``, and plain ``tf.gradients`` is a
+    candidate too; each candidate's peak is simulated at every one of the
+    batches.  Its worst ratio is the largest, over the batches, of its peak
+    over the least peak any candidate has at that batch.  Among the
+    candidates whose worst ratio is within ``LEAST_PEAK_TOLERANCE`` of the
+    least one, the one that recomputes least (at the largest batch) is
+    chosen: the plan that is near the least peak wherever the batch lands,
+    not at one guess.  Exact at each batch judged: the simulation counts
+    every unknown dimension as that batch.  Peaks are judged with the
+    gradients of xs held to the end of the step, as :func:`plan` reports them
+    and as a training step holds them until its optimizer applies them all
+    (judged with each used at once, a plan's few held gradients would weigh
+    more than every activation at a small batch, and nothing would be kept).
+    """
+    sizers = {b: simulate.Sizer(b) for b in batches}
+    candidates = {(): []}
+    for b in batches:
+        chosen = memory_checkpoints(ys, xs, region, None, b, trade, sizer=sizers[b])
+        candidates.setdefault(tuple(t.ref() for t in chosen), chosen)
+    peaks, recompute = {}, {}
+    for key, tensors in candidates.items():
+        row = []
+        for b in batches:
+            if tensors:
+                predicted = simulate.predict_checkpointed(region, ys, xs, tensors, b, True,
+                                                          sizers[b])
+            else:
+                predicted = simulate.predict_baseline(region, ys, xs, b, True, sizers[b])
+            row.append(predicted.peak_bytes)
+        peaks[key] = row
+        recompute[key] = predicted.recompute_work  # at the largest batch
+    least = [min(row[i] for row in peaks.values()) for i in range(len(batches))]
+    worst = {key: max(p / max(low, 1) for p, low in zip(row, least))
+             for key, row in peaks.items()}
+    bound = min(worst.values()) * (1 + LEAST_PEAK_TOLERANCE)
+    chosen = min((key for key in candidates if worst[key] <= bound),
+                 key=lambda key: (recompute[key], worst[key]))
+    return candidates[chosen]
 
 
 #: Without a budget, 'memory' takes the least recomputation among plans whose
@@ -156,14 +210,15 @@ FLOOR_PROBES = (1.1,)
 
 @_gc.without_cyclic_gc
 def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
-                       trade: bool = False) -> list:
+                       trade: bool = False, sizer: simulate.Sizer | None = None) -> list:
     """The 'memory' (``trade=False``) or 'balanced' (``trade=True``) choice of checkpoints.
 
     The dynamic program of :mod:`.budget` uses a coarse model of a segment's
     memory; each plan it proposes is checked with the finer model of
-    :mod:`.simulate`, which has the last word.
+    :mod:`.simulate`, which has the last word.  ``sizer``: a ``Sizer`` of
+    ``unknown_dim`` to share with other predictions.
     """
-    size = simulate.Sizer(unknown_dim)
+    size = sizer or simulate.Sizer(unknown_dim)
     xs_refs = {x.ref() for x in xs}
     cuts = cuts_lib.live_cuts(region, size, size.cost, simulate.ALIAS_OP_TYPES,
                               needs_gradient=lambda t: t.op in region or t.ref() in xs_refs)

@@ -289,3 +289,21 @@ def test_gradient_check_repeats_a_mismatch_and_says_so(monkeypatch, wrong_runs, 
     assert result.grads_equal is equal and result.gradient_retries == retries
     note = report.row_dict(Row(result))["note"]
     assert ("repeated" in note) == (retries > 0), note
+
+
+def test_cli_largest_batch_writes_its_table_and_every_answer_fits(tmp_path):
+    """--largest-batch: per model, the largest batch predicted to fit, plain and 'memory',
+    each verified by traced steps at that batch (measured within the memory)."""
+    code = benchmark.main(["--quick", "--largest-batch", "4", "--models", "mlp,unet,chain",
+                           "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    with open(tmp_path / "largest_batch.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["model"], r["variant"]) for r in rows] == [
+        ("mlp", "tf.gradients"), ("mlp", "memory"), ("unet", "tf.gradients"), ("unet", "memory")]
+    for r in rows:
+        assert int(r["batch"]) > 0 and r["fits"] == "True", r
+        assert float(r["measured_max_mb"]) <= 4.0
+    plain, ours = (int(r["batch"]) for r in rows[2:])
+    assert ours > plain  # the U-Net trains a larger batch with 'memory'
+    assert "The largest batch that fits" in (tmp_path / "largest_batch.md").read_text()

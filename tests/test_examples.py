@@ -46,3 +46,12 @@ def test_budget_example_meets_its_budgets():
     for budget, predicted, measured, _ in result["rows"]:
         assert predicted <= budget
         assert measured <= 1.15 * budget, (measured, budget)
+
+
+def test_largest_batch_example_fits_and_checkpointing_trains_a_larger_batch():
+    result = _example("largest_batch").main([])
+    rows = result["rows"]
+    for name, row in rows.items():
+        assert 0 < row["held"] <= result["memory"], (name, row)
+        assert np.isfinite(row["loss"])
+    assert rows["checkpoints='memory'"]["batch"] > 1.5 * rows["tf.gradients"]["batch"], rows

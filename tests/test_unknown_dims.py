@@ -2,10 +2,11 @@
 
 Every tf.data pipeline batched without ``drop_remainder``, Keras' retrace
 after a partial last batch, ``input_signature=[TensorSpec([None, ...])]`` and
-v1 placeholders ``[None, ...]`` give such graphs.  The planner assumes
-``batch_size`` (32 unless stated) for unknown dimensions: the plan it makes
-for the unknown batch, fed at batch B, must peak within 10% of the plan made
-with B stated (``batch_size=B``), measured on the same graph.
+v1 placeholders ``[None, ...]`` give such graphs.  Without ``batch_size`` the
+planner chooses checkpoints for every batch (``strategies.any_batch_checkpoints``):
+the plan it makes for the unknown batch, fed at batch B, must peak within 10% of
+the plan made with B stated (``batch_size=B``), measured on the same graph
+(tests/test_largest_batch.py checks the same at more batches, up to 4096).
 """
 
 from __future__ import annotations
@@ -89,11 +90,22 @@ def test_plan_states_what_it_assumed(graph):
     assert stated.baseline_peak_bytes > 1.5 * the_plan.baseline_peak_bytes
 
 
-def test_budget_needs_the_batch_size_and_uses_it(graph, measure_peak, op_snapshot):
+def test_budget_with_an_unknown_batch_plans_at_the_largest_batch_that_fits(
+        graph, measure_peak, op_snapshot):
+    """No ``batch_size``: the plan is made at the largest batch whose least peak meets
+    the budget; a budget no batch meets is an error that says so and leaves the graph
+    as it was; with ``batch_size`` the budget is met at that batch."""
     loss, xs, feed = _build("resnet", 32, False)
+    budget = 20 * 2**20
+    planned = msg.plan(loss, xs, memory_budget=budget)
+    assert planned.batch is not None and planned.batch > 1
+    assert "largest at which memory_budget can be met" in " ".join(planned.assumptions)
+    assert planned.predicted_peak_bytes <= budget
+    assert planned.peak_at(planned.batch) == planned.predicted_peak_bytes
+    assert planned.peak_at(2 * planned.batch) > budget  # the largest: twice it does not fit
     before = op_snapshot(graph)
-    with pytest.raises(ValueError, match="batch_size"):
-        msg.gradients(loss, xs, checkpoints="memory", memory_budget=20 * 2**20)
+    with pytest.raises(ValueError, match="cannot be met at any batch size.*batch_size="):
+        msg.gradients(loss, xs, checkpoints="memory", memory_budget=2**10)
     assert op_snapshot(graph) == before  # the graph is left as it was
     plain = msg.plan(loss, xs, batch_size=32).baseline_peak_bytes
     budget = int(0.5 * plain)
@@ -127,7 +139,7 @@ def test_keeping_nothing_is_one_warning_that_says_why():
     warnings = [str(w.message) for w in caught if w.category is msg.NothingKeptWarning]
     assert len(warnings) == 1, warnings
     assert "predicts no set of checkpoints with a lower peak" in warnings[0]
-    assert "counted as 32" in warnings[0] and "batch_size=" in warnings[0]
+    assert "planned for every batch" in warnings[0] and "batch_size=" in warnings[0]
 
 
 def test_same_values_with_an_unknown_batch(graph, run_both, assert_grads_match):

@@ -82,6 +82,11 @@ def parser() -> argparse.ArgumentParser:
                    "tf.gradients, recompute_grad, collection and 'memory'; xla.md/.csv/.png")
     p.add_argument("--xla-only", action="store_true",
                    help="only the --xla comparison (no sweep, fits, training or scaling)")
+    p.add_argument("--largest-batch", type=float, default=0, metavar="MB",
+                   help="only the largest-batch comparison (no sweep): per model, with its "
+                   "batch unknown, the largest batch predicted to fit MB (e.g. 256), plain and "
+                   "'memory', each verified by a traced step at that batch; "
+                   "largest_batch.md/.csv (a few minutes on 2 cores)")
     p.add_argument("--xla-variants", default=None,
                    help="comma-separated variants of the --xla comparison (default: "
                    "tf.gradients,recompute_grad,collection,memory)")
@@ -149,6 +154,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          overrides=models.parse_overrides(args.size))
     if args.xla_only:
         return _xla_main(args, argv, specs, dump, steps, started, load_before, tf)
+    if args.largest_batch > 0:
+        return _largest_batch_main(args, argv, device, started, load_before, tf)
     print(f"Benchmark: {len(specs)} model sizes x {len(runnable)} variants on "
           f"{device or 'the default device (CPU)'}; output in {args.out}/")
     rows = sweep.run_sweep(specs, runnable, steps=steps, budget_fraction=args.budget_fraction,
@@ -258,6 +265,19 @@ def _xla_main(args, argv, specs, dump, steps, started, load_before, tf) -> int:
         print("GRADIENTS DIFFER for: " + ", ".join(f"{r.model} {r.variant}" for r in bad))
         return 1
     return 0
+
+
+def _largest_batch_main(args, argv, device, started, load_before, tf) -> int:
+    from . import largest_batch
+
+    print(f"Largest batch in {args.largest_batch:g} MB: {args.models}; output in {args.out}/")
+    rows = largest_batch.run(_csv(args.models), args.largest_batch, quick=args.quick)
+    header = _header(args, argv, device, time.time() - started, load_before, tf)
+    written = largest_batch.write(args.out, rows, header)
+    print()
+    print(largest_batch.markdown(rows))
+    print("\nwritten: " + ", ".join(written.values()))
+    return 0 if all(r.fits is not False and not r.error for r in rows) else 1
 
 
 def _quick_defaults(args) -> None:
