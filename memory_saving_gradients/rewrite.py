@@ -15,6 +15,7 @@ import contextlib
 from typing import Iterable, Sequence
 
 from ._tensorflow import tf
+from . import graph as graph_lib
 from tensorflow.python.framework import indexed_slices as _indexed_slices
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gradients_util as _gradients_util
@@ -268,10 +269,8 @@ def _unique_ops(ops: Iterable[tf.Operation]) -> list:
 
 
 def is_trainable(t: tf.Tensor) -> bool:
-    """Whether ``tf.gradients`` lets gradients flow through ``t`` (float, complex, resource, variant)."""
-    from tensorflow.python.eager import backprop_util as _backprop_util
-
-    return _backprop_util.IsTrainable(t)
+    """Whether ``tf.gradients`` lets gradients flow through ``t``: :func:`graph.carries_gradient`."""
+    return graph_lib.carries_gradient(t)
 
 
 def blocks_gradients(op: tf.Operation) -> bool:
