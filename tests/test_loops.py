@@ -385,6 +385,52 @@ def test_issue_repro_tape_gradient_of_loop_weight():
     np.testing.assert_allclose(ours.numpy(), plain.numpy(), rtol=1e-4, atol=1e-5)
 
 
+def test_tape_variant_and_handle_sources(caplog):
+    """Sources that are TensorArray flows (variants) and a variable's handle: as the plain
+    tape (the handle, an eager tensor inside the tf.function, falls back to it, and says so)."""
+    x_value, u_value, w_values = _values()
+    u = tf.Variable(u_value)
+    ws = [tf.Variable(w) for w in w_values]
+
+    def step(with_handle, checkpointed=False):
+        with tf.GradientTape() as tape:
+            x = tf.constant(x_value)
+            inputs = tf.TensorArray(tf.float32, STEPS).unstack(tf.tanh(x))
+            tape.watch(inputs.flow)
+
+            def body(t, h, out):
+                h = tf.tanh(inputs.read(t) + h @ u)
+                return t + 1, h, out.write(t, h)
+
+            _, _, out = tf.while_loop(
+                lambda t, *_: t < STEPS, body,
+                (0, tf.zeros((BATCH, WIDTH)), tf.TensorArray(tf.float32, STEPS)))
+            loss = _dense_layers(out.stack(), ws, [])
+        sources = {"inputs": inputs.flow, "outputs": out.flow, "u": u}
+        if with_handle:
+            sources["handle"] = u.handle
+        before = _last_id(loss.graph)
+        grads = tape.gradient(loss, sources)
+        assert bool(_recomputed_since(loss.graph, before)) == checkpointed
+        assert grads["inputs"].dtype == tf.variant
+        # a list's gradient is a list: compare what it holds
+        for name in ("inputs", "outputs"):
+            grads[name] = tf.raw_ops.TensorListStack(
+                input_handle=grads[name], element_shape=[BATCH, WIDTH], element_dtype=tf.float32)
+        return grads
+
+    for with_handle in (False, True):
+        plain = tf.function(step)(with_handle)
+        with msg.patched("memory"), caplog.at_level(logging.WARNING, "memory_saving_gradients"):
+            caplog.clear()
+            ours = tf.function(step)(with_handle, checkpointed=not with_handle)
+        assert (with_handle and "eager tensor" in caplog.text) or not caplog.text, caplog.text
+        assert set(ours) == set(plain)
+        for name in plain:
+            np.testing.assert_allclose(ours[name].numpy(), plain[name].numpy(), rtol=1e-4,
+                                       atol=1e-5, err_msg=name)
+
+
 def _reads_output_of(copy, ops, dtype) -> bool:
     """Whether ``copy`` reads a ``dtype`` output of one of ``ops``, directly or through
     the identity (proxy) the rewrite puts before a segment's inputs."""
