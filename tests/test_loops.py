@@ -14,7 +14,7 @@ pattern, dtypes and values, for every strategy, and checks that something
 was recomputed (a comparison with a plain fallback would prove nothing).
 
 CI runs a sample of the construct x mode matrix; ``LOOP_TESTS=full`` runs
-all of it (about 3 more minutes on 2 cores).
+all of it (51 tests, 2.7-5.5 minutes on 2 shared cores, against 1.5-2 for CI's 31).
 """
 
 from __future__ import annotations
