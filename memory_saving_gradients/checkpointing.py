@@ -21,6 +21,7 @@ from tensorflow.python.ops import resource_variable_ops as _resource_variable_op
 
 from ._tensorflow import onednn_enabled, tf, tf_gradients
 from . import graph as graph_lib
+from . import guard
 from . import memo
 from ._nesting import Nesting
 from . import planning
@@ -119,11 +120,20 @@ def gradients(
                 return tf_gradients(ys, xs, grad_ys, **options)
             _warn_unmodelled_workspaces(problem.region)
             logger.debug("checkpoints: %s", [t.name for t in chosen])
-            with tf.name_scope(name or "gradients"):
-                return _backprop(
-                    problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops,
-                    unconnected, colocate_gradients_with_ops, gate_gradients, aggregation_method,
-                )
+
+            def rewritten():
+                with tf.name_scope(name or "gradients"):
+                    return _backprop(
+                        problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops,
+                        unconnected, colocate_gradients_with_ops, gate_gradients,
+                        aggregation_method,
+                    )
+
+            # checked against tf.gradients' structure; on a difference, tf.gradients' own
+            return guard.guarded_gradients(
+                rewritten, lambda: tf_gradients(ys, xs, grad_ys, **options), problem.graph,
+                problem.ys, problem.xs, grad_ys_list, stops, unconnected,
+            )
 
 
 def plan(
