@@ -101,13 +101,17 @@ def find_difference(ys, xs, grad_ys, stops, unconnected, results, calls: dict) -
         expected = walk.x_kind(x, zero)
         kind = rewrite.gradient_kind(got)
         if kind != expected:
-            culprit = walk.first_on_path(x, differing)
-            where = (f"; the first op on its path treated differently is {_describe(culprit, differing)}"
-                     if culprit is not None else "")
+            culprit = walk.last_on_path(x, differing)
+            if culprit is not None:
+                where = f"; on its path the backward pass first differs at {_describe(culprit, differing)}"
+            else:  # each op on the path was right: the sum at x went wrong
+                sources = [op for op in x.consumers() if walk.differentiated_by_tf(op)]
+                where = "; the gradients summed for it come from " + (", ".join(
+                    f"op {op.name!r} (type {op.type})" for op in sources[:3]) or "no op")
             return (f"the rewritten backward pass gives {_kind_words(kind)} for {x.name} where "
                     f"tf.gradients gives {_kind_words(expected)}{where}")
     if differing:
-        op = min(differing, key=graph_lib.op_order)
+        op = max(differing, key=graph_lib.op_order)
         return f"the rewrite treated {_describe(op, differing)}"
     return None
 
@@ -175,7 +179,7 @@ class _Walk:
             for t, k in ((t, self.received(t)) for t in op.outputs)
         )
 
-    def _differentiated_by_tf(self, op: tf.Operation) -> bool:
+    def differentiated_by_tf(self, op: tf.Operation) -> bool:
         if op not in self.between or op in self.stop_ops:
             return False
         if not any(self.received(t) != "none" for t in op.outputs):
@@ -195,7 +199,7 @@ class _Walk:
         while heap:
             _, _, op = heapq.heappop(heap)
             queued.discard(op)
-            if not self._differentiated_by_tf(op):
+            if not self.differentiated_by_tf(op):
                 continue
             for t, kind in zip(op.inputs, self._input_kinds(op)):
                 if kind == "none":
@@ -229,7 +233,7 @@ class _Walk:
                     continue
             except LookupError:
                 continue
-            expected = self._differentiated_by_tf(op)
+            expected = self.differentiated_by_tf(op)
             seen = self.calls.get(op)
             if expected and seen is None:
                 differing[op] = ("tf.gradients differentiates it (output gradients "
@@ -260,8 +264,9 @@ class _Walk:
                         stack.append(t)
         return list(ops)
 
-    def first_on_path(self, x: tf.Tensor, differing: dict):
-        """The earliest op of ``differing`` reachable from ``x`` along gradient paths."""
+    def last_on_path(self, x: tf.Tensor, differing: dict):
+        """The op of ``differing`` reachable from ``x`` along gradient paths that the
+        backward pass reaches first (the latest in topological order)."""
         found = None
         seen: set = set()
         stack = [x]
@@ -271,7 +276,7 @@ class _Walk:
                     continue
                 seen.add(op)
                 if op in differing and (found is None or
-                                        graph_lib.op_order(op) < graph_lib.op_order(found)):
+                                        graph_lib.op_order(op) > graph_lib.op_order(found)):
                     found = op
                 stack.extend(t for t in op.outputs if rewrite.is_trainable(t))
         return found
@@ -279,7 +284,7 @@ class _Walk:
     def x_kind(self, x: tf.Tensor, zero: bool) -> str:
         """The kind of gradient ``tf.gradients`` returns for ``x``."""
         kind = self.received(x)
-        if kind == "none" and self._differentiated_by_tf(x.op) and _zero_filled(x):
+        if kind == "none" and self.differentiated_by_tf(x.op) and _zero_filled(x):
             kind = "dense"  # an unused output of an op it differentiates: zeros
         if kind == "none" and zero:
             kind = "dense"
