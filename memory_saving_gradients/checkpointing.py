@@ -396,12 +396,13 @@ def _backprop(
             previous_results, incoming
         )
         if segment.recompute:
-            differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
-            segment_inputs = [t for t in differentiable if t.ref() in carriers]
+            # variants too: a loop hands its TensorArrays/TensorLists out through them
+            trainable = [t for t in segment.inputs if graph_lib.carries_gradient(t)]
+            segment_inputs = [t for t in trainable if t.ref() in carriers]
             if not segment_inputs:
                 continue
             inputs = rewrite.proxies(
-                differentiable, f"recompute_{index}/inputs", waits,
+                trainable, f"recompute_{index}/inputs", waits,
                 data_after=target_grads if for_xla else (),
             )
             copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")

@@ -20,6 +20,8 @@ import heapq
 import os
 from typing import Iterable, Sequence
 
+from tensorflow.python.eager import backprop_util as _backprop_util
+
 from ._tensorflow import tf
 
 # Op types whose outputs are never recomputed: control flow (v1 and v2) and
@@ -241,8 +243,17 @@ def is_differentiable_in_place(op: tf.Operation) -> bool:
     )
 
 
-def is_differentiable(tensor: tf.Tensor) -> bool:
-    """Float or complex tensors carry gradients; integers, bools, resources do not."""
+def carries_gradient(tensor: tf.Tensor) -> bool:
+    """Whether ``tf.gradients`` lets a gradient flow through ``tensor``: TensorFlow's own
+    rule (``backprop_util.IsTrainable``): float and complex tensors, resource handles,
+    and variants (the ``TensorList`` s of loops, ``TensorArray`` s, optionals) unless
+    they hold integers."""
+    return _backprop_util.IsTrainable(tensor)
+
+
+def is_float_or_complex(tensor: tf.Tensor) -> bool:
+    """Whether ``tensor`` holds float or complex values: its gradient is then a tensor of
+    its own size (that of a resource or variant handle is the size of what it refers to)."""
     dtype = tensor.dtype.base_dtype
     return dtype.is_floating or dtype.is_complex
 

@@ -16,6 +16,7 @@ import threading
 from typing import Iterable, Sequence
 
 from ._tensorflow import tf
+from . import graph as graph_lib
 from tensorflow.python.framework import indexed_slices as _indexed_slices
 from tensorflow.python.framework import ops as _ops
 from tensorflow.python.ops import gradients_util as _gradients_util
@@ -270,10 +271,8 @@ def _unique_ops(ops: Iterable[tf.Operation]) -> list:
 
 
 def is_trainable(t: tf.Tensor) -> bool:
-    """Whether ``tf.gradients`` lets gradients flow through ``t`` (float, complex, resource, variant)."""
-    from tensorflow.python.eager import backprop_util as _backprop_util
-
-    return _backprop_util.IsTrainable(t)
+    """Whether ``tf.gradients`` lets gradients flow through ``t``: :func:`graph.carries_gradient`."""
+    return graph_lib.carries_gradient(t)
 
 
 def blocks_gradients(op: tf.Operation) -> bool:
@@ -380,6 +379,20 @@ def _unfoldable_false(gradients: Sequence) -> tf.Tensor | None:
     return None
 
 
+def _named_here(output_grads: Sequence, outputs: Sequence[tf.Tensor], colocate: bool) -> list:
+    """The given gradients through identities in the current name scope, as ``tf.gradients``
+    passes its ``grad_ys``: a v1 ``TensorArray``'s gradient finds its accumulator by the
+    scope of the gradient it receives, so every gradient of one call must come from its
+    scope (else the loop's writes and the stack after it get different accumulators)."""
+    given = [i for i, g in enumerate(output_grads) if g is not None]
+    grads = list(output_grads)
+    if given:
+        named = default_grad_ys([grads[i] for i in given], [outputs[i] for i in given], colocate)
+        for i, g in zip(given, named):
+            grads[i] = g
+    return grads
+
+
 def op_gradients(
     op: tf.Operation,
     output_grads: Sequence,
@@ -405,7 +418,7 @@ def op_gradients(
         ) from None
     if grad_fn is None:
         return [None] * len(op.inputs)
-    grads = list(output_grads)
+    grads = _named_here(output_grads, op.outputs, colocate_gradients_with_ops)
     for i, g in enumerate(grads):
         output = op.outputs[i]
         if g is None and _backprop_util.IsTrainable(output) and (

@@ -296,15 +296,18 @@ class _Timeline:
 
 
 def _gradient_size(tensor: tf.Tensor, consumer: tf.Operation, size) -> int:
-    if graph_lib.is_differentiable(tensor):
+    """Bytes of the gradient ``consumer`` emits for its input ``tensor``.
+
+    A handle's (resource or variant) gradient is as large as what the consumer
+    reads through it (a variable read, a ``TensorListStack``), when its first output
+    holds those values; otherwise (a loop's list going into the ``While``) its size
+    is not known statically and counts as 0.
+    """
+    if graph_lib.is_float_or_complex(tensor):
         return size(tensor)
-    if tensor.dtype == tf.resource and consumer.outputs:
+    if consumer.outputs and graph_lib.is_float_or_complex(consumer.outputs[0]):
         return size(consumer.outputs[0])
     return 0
-
-
-def _carries_gradient(tensor: tf.Tensor) -> bool:
-    return graph_lib.is_differentiable(tensor) or tensor.dtype == tf.resource
 
 
 def _forward_timeline(region, size: Sizer) -> tuple:
@@ -383,7 +386,7 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
             [t.ref() for t in list(reads_in) + list(reads_out)],
             [t.ref() for t in op.outputs],
             [(t.ref(), _gradient_size(t, op, size)) for t in op.inputs
-             if _carries_gradient(t) and wanted(t)],
+             if graph_lib.carries_gradient(t) and wanted(t)],
         )
         memo[op] = found
     reads, outputs, emitted = found

@@ -174,7 +174,7 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
     # each is used by its update at once (else large weights hide the saving).
     fetched = memory_budget is not None
     fixed = sum(
-        graph_lib.tensor_bytes(x, unknown_dim) for x in xs if graph_lib.is_differentiable(x)
+        graph_lib.tensor_bytes(x, unknown_dim) for x in xs if graph_lib.is_float_or_complex(x)
     ) if fetched else 0
     # Two models of a segment's bytes (see budget.CutProblem): each proposes,
     # the simulation judges every proposal.

@@ -274,7 +274,7 @@ def _unrecorded_inputs(recording: _Recording, graph, xs) -> list:
             for t in op.inputs:
                 if (
                     t.ref() not in x_refs
-                    and graph_lib.is_differentiable(t)
+                    and graph_lib.carries_gradient(t)
                     and not recording.recorded(t.op)
                 ):
                     stops.setdefault(t.ref(), t)
