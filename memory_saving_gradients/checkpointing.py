@@ -375,6 +375,7 @@ def _backprop(
         isolated=frozenset(op for op in producers if op in constructs or op in stop_ops),
     )
     previous_results: list = []
+    readers = _ReadersOfPendingGradients(ys[0].graph)
     # XLA drops control inputs: there, recomputed inputs also depend on the
     # incoming gradient through data (see rewrite.proxies).
     for_xla = graph_lib.builds_for_xla(ys[0].graph)
@@ -392,8 +393,8 @@ def _backprop(
         if op in constructs:
             segment = graph_lib.construct_segment(members, targets, kept)
         incoming = [part for g in target_grads for part in rewrite.tensors_of(g)]
-        waits = [t.op for t in targets] + [part.op for part in incoming] + _unfusable(
-            previous_results, incoming
+        waits = [t.op for t in targets] + [part.op for part in incoming] + readers.safe_to_wait_for(
+            previous_results, incoming + _pending_gradients(contributions, totals)
         )
         if segment.recompute:
             # variants too: a loop hands its TensorArrays/TensorLists out through them
@@ -476,19 +477,60 @@ def _backprop(
     return results
 
 
-def _unfusable(previous_results: list, incoming: list) -> list:
-    """The previous segment's gradient ops to wait for, minus those that read a
-    gradient this segment's backward pass reads too.
+def _pending_gradients(contributions: dict, totals: dict) -> list:
+    """The gradient tensors that segments not yet built will read: the contributions
+    to kept tensors whose gradient is not summed yet."""
+    return [
+        part for key, parts in contributions.items() if key not in totals
+        for g in parts for part in rewrite.tensors_of(g)
+    ]
 
-    oneDNN's grappler remapper fuses such siblings across segments (a
-    ``BiasAddGrad`` of one segment with the ``Conv2DBackpropFilter`` of the
-    next, both reading the gradient of a convolution output kept as a
-    checkpoint), and the fused op would then wait for copies that wait for
-    it: TensorFlow reports "N nodes in a cycle" and the step fails.  Such an
-    op only reads a gradient that stays alive for this segment anyway.
+
+class _ReadersOfPendingGradients:
+    """Which ops descend from an op that reads a gradient a segment still has to read.
+
+    A recomputation must not wait for such an op.  Fusing two ops closes a cycle
+    exactly when a path leads from one to the other through a third op; a wait
+    makes every op above the waited-for op come before every op below the
+    waiting proxy.  Two readers of one value are fusable siblings (oneDNN fuses
+    ``BiasAddGrad`` with ``Conv2DBackpropFilter`` of the same gradient), so a
+    reader above the wait and another below it would become one op that waits
+    for itself.  Values are compared after removing the identities and
+    same-shape reshapes grappler removes (``graph.value_root``).
+
+    Each op is scanned once, when the next segment asks: its mark is the set of
+    pending values it descends from a reader of, so the walk stays linear.
     """
-    shared = {t.ref() for t in incoming}
-    return [op for op in previous_results if not any(t.ref() in shared for t in op.inputs)]
+
+    def __init__(self, graph: tf.Graph):
+        self._graph = graph
+        self._scanned = graph_lib.last_op_id(graph)
+        self._marks: dict = {}  # op -> frozenset of value roots
+
+    def safe_to_wait_for(self, ops: list, pending: list) -> list:
+        """The ops of ``ops`` that descend from no reader of a ``pending`` gradient."""
+        roots = frozenset(graph_lib.value_root(t) for t in pending)
+        self._scan(roots)
+        return [op for op in ops if not self._marks.get(op, frozenset()) & roots]
+
+    def _scan(self, roots: frozenset) -> None:
+        new_ops = graph_lib.ops_created_after(self._graph, self._scanned)
+        for op in new_ops:
+            reads = not graph_lib.forwards_its_input(op)
+            marks = set()
+            for t in op.inputs:
+                marks.update(self._marks.get(t.op, ()))
+                if reads:
+                    root = graph_lib.value_root(t)
+                    if root in roots:
+                        marks.add(root)
+            for dep in op.control_inputs:
+                marks.update(self._marks.get(dep, ()))
+            marks &= roots  # a value not pending now is never read by a later segment
+            if marks:
+                self._marks[op] = frozenset(marks)
+        if new_ops:
+            self._scanned = graph_lib.op_order(new_ops[-1])
 
 
 def _reached_by_tf_gradients(xs, region) -> set:
