@@ -13,6 +13,7 @@ gradient, so recomputation happens just before it is needed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import numbers
 from typing import Sequence, Union
@@ -120,20 +121,11 @@ def gradients(
                 return tf_gradients(ys, xs, grad_ys, **options)
             _warn_unmodelled_workspaces(problem.region)
             logger.debug("checkpoints: %s", [t.name for t in chosen])
-
-            def rewritten():
-                with tf.name_scope(name or "gradients"):
-                    return _backprop(
-                        problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops,
-                        unconnected, colocate_gradients_with_ops, gate_gradients,
-                        aggregation_method,
-                    )
-
-            # checked against tf.gradients' structure; on a difference, tf.gradients' own
-            return guard.guarded_gradients(
-                rewritten, lambda: tf_gradients(ys, xs, grad_ys, **options), problem.graph,
-                problem.ys, problem.xs, grad_ys_list, stops, unconnected,
-            )
+            with tf.name_scope(name or "gradients"):
+                return _backprop(
+                    problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops,
+                    unconnected, colocate_gradients_with_ops, gate_gradients, aggregation_method,
+                )
 
 
 def plan(
@@ -334,6 +326,32 @@ def usable_checkpoints(candidates, ys, xs, region) -> list:
     return sorted(usable.values(), key=graph_lib.tensor_order)
 
 
+def _guarded(backprop):
+    """``backprop``, checked by :mod:`.guard`: where its gradients' structure differs
+    from ``tf.gradients``' (or it fails inside), plain ``tf.gradients``' own, with a
+    :class:`~.notices.FallbackWarning`."""
+
+    @functools.wraps(backprop)
+    def checked(ys, xs, grad_ys, region, checkpoints, stops, unconnected,
+                colocate_gradients_with_ops, gate_gradients, aggregation_method):
+        def plain():
+            return tf_gradients(
+                ys, xs, grad_ys, name="fallback",
+                colocate_gradients_with_ops=colocate_gradients_with_ops,
+                gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+                stop_gradients=list(stops) or None, unconnected_gradients=unconnected,
+            )
+
+        return guard.guarded_gradients(
+            lambda: backprop(ys, xs, grad_ys, region, checkpoints, stops, unconnected,
+                             colocate_gradients_with_ops, gate_gradients, aggregation_method),
+            plain, ys[0].graph, ys, xs, grad_ys, stops, unconnected,
+        )
+
+    return checked
+
+
+@_guarded
 def _backprop(
     ys, xs, grad_ys, region, checkpoints, stops, unconnected,
     colocate_gradients_with_ops, gate_gradients, aggregation_method,
