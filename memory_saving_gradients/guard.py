@@ -70,7 +70,8 @@ def guarded_gradients(
             plain = fallback()
         except Exception:  # noqa: BLE001 - tf.gradients fails too: the user's error
             raise failure  # pylint: disable=raise-missing-from
-        _warn(f"the rewrite raised {type(failure).__name__}: {str(failure)[:300]}")
+        _warn(f"the rewrite raised {type(failure).__name__}: {str(failure)[:300]}"
+              f"{_raised_at(failure)}")
         return plain
     try:
         difference = find_difference(ys, xs, grad_ys, stops, unconnected, results, calls.calls)
@@ -82,13 +83,27 @@ def guarded_gradients(
     return fallback()
 
 
+def _raised_at(error: BaseException) -> str:
+    """`` (in file:line, function)`` of the innermost frame of this package that raised."""
+    import os
+    import traceback
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if os.path.abspath(f.filename).startswith(package)]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (in {os.path.basename(last.filename)}:{last.lineno}, {last.name})"
+
+
 def _warn(reason: str) -> None:
     message = (
         f"memory_saving_gradients: {reason}. This call uses plain tf.gradients instead "
         "(no memory saved for it); please report this with the model."
     )
     logger.warning("%s", message)
-    warnings.warn(message, FallbackWarning, stacklevel=4)
+    warnings.warn(message, FallbackWarning, stacklevel=5)
 
 
 def find_difference(ys, xs, grad_ys, stops, unconnected, results, calls: dict) -> str | None:

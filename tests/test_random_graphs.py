@@ -462,6 +462,8 @@ def check_program(program: Program, strategies: Optional[list] = None) -> int:
         variants = {}
         region_ok = True
         lists = {"list": checkpoints, "every value": _every_float_value(program, built.values)}
+        if not lists["every value"]:
+            del lists["every value"]  # a program of integer values only
         with no_fallback(f"xs={program.xs}+{program.var_xs} ys={program.ys}"):
             for name, given in lists.items():
                 try:
