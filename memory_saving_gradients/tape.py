@@ -198,6 +198,17 @@ def checkpointed_gradient(
             type(unsupported[0]).__name__,
         )
         return plain()
+    eager = [t for t in flat_targets + flat_sources
+             if isinstance(t, tf.Tensor) and not tf.is_symbolic_tensor(t)]
+    if eager:
+        # e.g. the handle of a variable made outside the tf.function: the tape matches
+        # it to the capture it made; the graph holds no op of it to differentiate to
+        logger.warning(
+            "memory_saving_gradients: a target or source of GradientTape.gradient is an "
+            "eager tensor (%s), not a tensor of the graph being traced; using "
+            "tf.GradientTape's own gradient (no memory saved).", eager[0].dtype.name,
+        )
+        return plain()
     if tape._tape is None:  # pylint: disable=protected-access
         raise RuntimeError(
             "A non-persistent GradientTape can only be used to compute one set "
