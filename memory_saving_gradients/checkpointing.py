@@ -348,14 +348,8 @@ def _backprop(
             )
         return totals[key]
 
-    # The top segment (ys) waits for nothing: where ys is not fetched, grappler prunes
-    # the forward ops above the last checkpoint and moves a wait on ys (or on the
-    # ones of the default grad_ys, which wait for ys' shape) onto the op of that
-    # checkpoint, whose only reader is then a copy waiting for it.
-    unordered: set = {y.op for y in ys}
     for y, g in zip(ys, rewrite.default_grad_ys(grad_ys, ys, colocate_gradients_with_ops)):
         contributions.setdefault(y.ref(), []).append(g)
-        unordered.update(part.op for part in rewrite.tensors_of(g))
 
     stop_ops = {t.op for t in stops}
     differentiated: set = set()
@@ -389,10 +383,7 @@ def _backprop(
         if op in constructs:
             segment = graph_lib.construct_segment(members, targets, kept)
         incoming = [part for g in target_grads for part in rewrite.tensors_of(g)]
-        waits = [
-            op for op in [t.op for t in targets] + [part.op for part in incoming]
-            if op not in unordered
-        ] + readers.safe_to_wait_for(
+        waits = [t.op for t in targets] + [part.op for part in incoming] + readers.safe_to_wait_for(
             previous_results, incoming + _pending_gradients(contributions, totals)
         )
         if segment.recompute:
@@ -403,6 +394,7 @@ def _backprop(
             inputs = rewrite.proxies(
                 differentiable, f"recompute_{index}/inputs", waits,
                 data_after=target_grads if for_xla else (),
+                unordered=[t for t in differentiable if graph_lib.reads_a_variable(t)],
             )
             copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")
             # each copy's input gradients are released together, so that the
