@@ -312,7 +312,6 @@ def proxies(
     name_scope: str,
     control_inputs: Sequence[tf.Operation] = (),
     data_after: Sequence = (),
-    unordered: Sequence[tf.Tensor] = (),
 ) -> dict:
     """An identity of each tensor, keyed by the original's ``ref()``, waiting for ``control_inputs``.
 
@@ -331,8 +330,6 @@ def proxies(
     gradients in a way XLA cannot fold, so the copies can neither run before
     that gradient nor be merged with the forward pass.  Other dtypes keep a
     plain identity.  Without ``data_after`` the graph is as it always was.
-
-    The proxies of ``unordered`` tensors get no control inputs.
     """
     if not tensors:
         return {}
@@ -349,11 +346,8 @@ def proxies(
             else:
                 made[t.ref()] = tf.identity(t)
     waits = _unique_ops(control_inputs)
-    skipped = {t.ref() for t in unordered}
     if waits:
-        for key, proxy in made.items():
-            if key in skipped:
-                continue
+        for proxy in made.values():
             # not tf.control_dependencies: it would mark the waited-for ops
             # (originals) with an attribute, changing their NodeDefs
             proxy.op._add_control_inputs(waits)  # pylint: disable=protected-access
