@@ -102,12 +102,14 @@ def test_sibling_gradients_of_two_segments_are_not_fused_into_a_cycle():
 
 def test_a_wait_that_grappler_moves_onto_a_fused_sibling_closes_no_cycle():
     """As above, with the bias read through two reshapes (as a Keras 3 ``Conv2D``
-    does): the next recomputation waited for the reshapes of the bias gradient, not
-    for its ``BiasAddGrad``; grappler removed the reshapes (their product keeps the
-    shape) and the wait landed on the ``BiasAddGrad``, which oneDNN then fused with
-    the next segment's ``Conv2DBackpropFilter`` ("N nodes in a cycle", found with
-    keras.applications.ResNet50 and 'speed').  No recomputation waits for an op below
-    a reader of a gradient that a later segment reads (docs/how-it-works.md step 4)."""
+    does) and every convolution kept.  Two waits that grappler moves closed cycles:
+    the next recomputation waited for the reshapes of the bias gradient, which
+    grappler removed, so the wait landed on the ``BiasAddGrad`` that oneDNN fuses
+    with the next segment's ``Conv2DBackpropFilter`` (found with
+    keras.applications.ResNet50 and 'speed'); and with the loss not fetched, the
+    top segment's wait on it landed on the last convolution, which oneDNN merged
+    with its only reader, the top segment's bias add, whose bias proxy waited for
+    it (docs/how-it-works.md step 4)."""
     rng = np.random.RandomState(1)
     filters = [tf.Variable(rng.randn(3, 3, 8, 8).astype(np.float32) * 0.2) for _ in range(6)]
     biases = [tf.Variable(rng.randn(8).astype(np.float32) * 0.1) for _ in range(6)]
