@@ -376,8 +376,14 @@ def _backprop(
             )
         return totals[key]
 
+    # Where ys is not fetched, grappler reduces the forward ops above the last
+    # checkpoint to their ordering and moves a wait on ys (or on the ones of the
+    # default grad_ys, which wait for ys' shape) onto that checkpoint's op, whose only
+    # reader may then be a copy: a proxy beside that copy must not wait for them.
+    top_waits = {y.op for y in ys}
     for y, g in zip(ys, rewrite.default_grad_ys(grad_ys, ys, colocate_gradients_with_ops)):
         contributions.setdefault(y.ref(), []).append(g)
+        top_waits.update(part.op for part in rewrite.tensors_of(g))
 
     stop_ops = {t.op for t in stops}
     differentiated: set = set()
@@ -420,10 +426,19 @@ def _backprop(
             segment_inputs = [t for t in trainable if t.ref() in carriers]
             if not segment_inputs:
                 continue
+            # variables' values do not wait for ys or their default grad_ys (see
+            # top_waits): grappler may move those waits onto the last checkpoint
+            variables = [t for t in trainable if graph_lib.reads_a_variable(t)]
             inputs = rewrite.proxies(
-                trainable, f"recompute_{index}/inputs", waits,
+                [t for t in trainable if not graph_lib.reads_a_variable(t)],
+                f"recompute_{index}/inputs", waits,
                 data_after=target_grads if for_xla else (),
             )
+            inputs.update(rewrite.proxies(
+                variables, f"recompute_{index}/inputs",
+                [op for op in waits if op not in top_waits],
+                data_after=target_grads if for_xla else (),
+            ))
             copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")
             # each copy's input gradients are released together, so that the
             # executor frees the recomputed tensors in the order simulated

@@ -84,6 +84,15 @@ def forwards_its_input(op: tf.Operation) -> bool:
     return False
 
 
+def reads_a_variable(t: tf.Tensor) -> bool:
+    """Whether ``t`` is a variable's value (``ReadVariableOp``, or the read of a v1 ref
+    variable): grappler never removes an identity of it."""
+    if t.op.type == "ReadVariableOp":
+        return True
+    return t.op.type == "Identity" and bool(t.op.inputs) and t.op.inputs[0].op.type in (
+        "VariableV2", "Variable")
+
+
 def value_root(t: tf.Tensor):
     """``ref()`` of the tensor whose value ``t`` forwards unchanged (``t`` itself when its
     op computes something): two tensors with the same root are one value once grappler
