@@ -17,6 +17,7 @@ from .checkpointing import (
 )
 from .notices import (
     EagerExecutionWarning,
+    FallbackWarning,
     MemorySavingGradientsWarning,
     NothingKeptWarning,
     NothingRewrittenWarning,
@@ -39,6 +40,7 @@ __all__ = [
     "NothingKeptWarning",
     "NothingRewrittenWarning",
     "EagerExecutionWarning",
+    "FallbackWarning",
     "peak_memory",
     "peak_memory_by_device",
     "peak_memory_during",

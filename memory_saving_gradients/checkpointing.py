@@ -13,6 +13,7 @@ gradient, so recomputation happens just before it is needed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import numbers
@@ -24,6 +25,7 @@ from tensorflow.python.ops import resource_variable_ops as _resource_variable_op
 from ._tensorflow import onednn_enabled, tf, tf_gradients
 from . import batch as batch_lib
 from . import graph as graph_lib
+from . import guard
 from . import memo
 from ._nesting import Nesting
 from . import notices
@@ -519,6 +521,32 @@ def usable_checkpoints(candidates, ys, xs, region) -> list:
     return sorted(usable.values(), key=graph_lib.tensor_order)
 
 
+def _guarded(backprop):
+    """``backprop``, checked by :mod:`.guard`: where its gradients' structure differs
+    from ``tf.gradients``' (or it fails inside), plain ``tf.gradients``' own, with a
+    :class:`~.notices.FallbackWarning`."""
+
+    @functools.wraps(backprop)
+    def checked(ys, xs, grad_ys, region, checkpoints, stops, unconnected,
+                colocate_gradients_with_ops, gate_gradients, aggregation_method):
+        def plain():
+            return tf_gradients(
+                ys, xs, grad_ys, name="fallback",
+                colocate_gradients_with_ops=colocate_gradients_with_ops,
+                gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+                stop_gradients=list(stops) or None, unconnected_gradients=unconnected,
+            )
+
+        return guard.guarded_gradients(
+            lambda: backprop(ys, xs, grad_ys, region, checkpoints, stops, unconnected,
+                             colocate_gradients_with_ops, gate_gradients, aggregation_method),
+            plain, ys[0].graph, ys, xs, grad_ys, stops, unconnected,
+        )
+
+    return checked
+
+
+@_guarded
 def _backprop(
     ys, xs, grad_ys, region, checkpoints, stops, unconnected,
     colocate_gradients_with_ops, gate_gradients, aggregation_method,
@@ -543,8 +571,14 @@ def _backprop(
             )
         return totals[key]
 
+    # Where ys is not fetched, grappler reduces the forward ops above the last
+    # checkpoint to their ordering and moves a wait on ys (or on the ones of the
+    # default grad_ys, which wait for ys' shape) onto that checkpoint's op, whose only
+    # reader may then be a copy: a proxy beside that copy must not wait for them.
+    top_waits = {y.op for y in ys}
     for y, g in zip(ys, rewrite.default_grad_ys(grad_ys, ys, colocate_gradients_with_ops)):
         contributions.setdefault(y.ref(), []).append(g)
+        top_waits.update(part.op for part in rewrite.tensors_of(g))
 
     stop_ops = {t.op for t in stops}
     differentiated: set = set()
@@ -560,6 +594,7 @@ def _backprop(
         isolated=frozenset(op for op in producers if op in constructs or op in stop_ops),
     )
     previous_results: list = []
+    readers = _ReadersOfPendingGradients(ys[0].graph)
     # XLA drops control inputs: there, recomputed inputs also depend on the
     # incoming gradient through data (see rewrite.proxies).
     for_xla = graph_lib.builds_for_xla(ys[0].graph)
@@ -577,8 +612,8 @@ def _backprop(
         if op in constructs:
             segment = graph_lib.construct_segment(members, targets, kept)
         incoming = [part for g in target_grads for part in rewrite.tensors_of(g)]
-        waits = [t.op for t in targets] + [part.op for part in incoming] + _unfusable(
-            previous_results, incoming
+        waits = [t.op for t in targets] + [part.op for part in incoming] + readers.safe_to_wait_for(
+            previous_results, incoming + _pending_gradients(contributions, totals)
         )
         if segment.recompute:
             # variants too: a loop hands its TensorArrays/TensorLists out through them
@@ -586,10 +621,19 @@ def _backprop(
             segment_inputs = [t for t in trainable if t.ref() in carriers]
             if not segment_inputs:
                 continue
+            # variables' values do not wait for ys or their default grad_ys (see
+            # top_waits): grappler may move those waits onto the last checkpoint
+            variables = [t for t in trainable if graph_lib.reads_a_variable(t)]
             inputs = rewrite.proxies(
-                trainable, f"recompute_{index}/inputs", waits,
+                [t for t in trainable if not graph_lib.reads_a_variable(t)],
+                f"recompute_{index}/inputs", waits,
                 data_after=target_grads if for_xla else (),
             )
+            inputs.update(rewrite.proxies(
+                variables, f"recompute_{index}/inputs",
+                [op for op in waits if op not in top_waits],
+                data_after=target_grads if for_xla else (),
+            ))
             copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")
             # each copy's input gradients are released together, so that the
             # executor frees the recomputed tensors in the order simulated
@@ -661,19 +705,60 @@ def _backprop(
     return results
 
 
-def _unfusable(previous_results: list, incoming: list) -> list:
-    """The previous segment's gradient ops to wait for, minus those that read a
-    gradient this segment's backward pass reads too.
+def _pending_gradients(contributions: dict, totals: dict) -> list:
+    """The gradient tensors that segments not yet built will read: the contributions
+    to kept tensors whose gradient is not summed yet."""
+    return [
+        part for key, parts in contributions.items() if key not in totals
+        for g in parts for part in rewrite.tensors_of(g)
+    ]
 
-    oneDNN's grappler remapper fuses such siblings across segments (a
-    ``BiasAddGrad`` of one segment with the ``Conv2DBackpropFilter`` of the
-    next, both reading the gradient of a convolution output kept as a
-    checkpoint), and the fused op would then wait for copies that wait for
-    it: TensorFlow reports "N nodes in a cycle" and the step fails.  Such an
-    op only reads a gradient that stays alive for this segment anyway.
+
+class _ReadersOfPendingGradients:
+    """Which ops descend from an op that reads a gradient a segment still has to read.
+
+    A recomputation must not wait for such an op.  Fusing two ops closes a cycle
+    exactly when a path leads from one to the other through a third op; a wait
+    makes every op above the waited-for op come before every op below the
+    waiting proxy.  Two readers of one value are fusable siblings (oneDNN fuses
+    ``BiasAddGrad`` with ``Conv2DBackpropFilter`` of the same gradient), so a
+    reader above the wait and another below it would become one op that waits
+    for itself.  Values are compared after removing the identities and
+    same-shape reshapes grappler removes (``graph.value_root``).
+
+    Each op is scanned once, when the next segment asks: its mark is the set of
+    pending values it descends from a reader of, so the walk stays linear.
     """
-    shared = {t.ref() for t in incoming}
-    return [op for op in previous_results if not any(t.ref() in shared for t in op.inputs)]
+
+    def __init__(self, graph: tf.Graph):
+        self._graph = graph
+        self._scanned = graph_lib.last_op_id(graph)
+        self._marks: dict = {}  # op -> frozenset of value roots
+
+    def safe_to_wait_for(self, ops: list, pending: list) -> list:
+        """The ops of ``ops`` that descend from no reader of a ``pending`` gradient."""
+        roots = frozenset(graph_lib.value_root(t) for t in pending)
+        self._scan(roots)
+        return [op for op in ops if not self._marks.get(op, frozenset()) & roots]
+
+    def _scan(self, roots: frozenset) -> None:
+        new_ops = graph_lib.ops_created_after(self._graph, self._scanned)
+        for op in new_ops:
+            reads = not graph_lib.forwards_its_input(op)
+            marks = set()
+            for t in op.inputs:
+                marks.update(self._marks.get(t.op, ()))
+                if reads:
+                    root = graph_lib.value_root(t)
+                    if root in roots:
+                        marks.add(root)
+            for dep in op.control_inputs:
+                marks.update(self._marks.get(dep, ()))
+            marks &= roots  # a value not pending now is never read by a later segment
+            if marks:
+                self._marks[op] = frozenset(marks)
+        if new_ops:
+            self._scanned = graph_lib.op_order(new_ops[-1])
 
 
 def _reached_by_tf_gradients(xs, region) -> set:

@@ -52,6 +52,56 @@ def last_op_id(graph: tf.Graph) -> int:
     return op_order(ops[-1]) if ops else 0
 
 
+def ops_created_after(graph: tf.Graph, after_id: int) -> list:
+    """The ops of ``graph`` whose creation id is larger than ``after_id``, oldest first."""
+    nodes = getattr(graph, "_nodes_by_id", None)  # pylint: disable=protected-access
+    if isinstance(nodes, dict):
+        newest = next(reversed(nodes), 0)
+        return [nodes[i] for i in range(after_id + 1, newest + 1) if i in nodes]
+    return [op for op in graph.get_operations() if op_order(op) > after_id]
+
+
+#: Op types whose output is their first input's value: grappler removes them and
+#: hands their consumers the input itself.
+VALUE_FORWARDING_OP_TYPES = frozenset(
+    {"Identity", "Snapshot", "StopGradient", "PreventGradient", "EnsureShape"}
+)
+#: Op types grappler removes when the output's static shape equals the input's.
+_SHAPE_FORWARDING_OP_TYPES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
+
+
+def forwards_its_input(op: tf.Operation) -> bool:
+    """Whether ``op``'s output is its first input's value unchanged (an identity, or a
+    reshape to the same static shape): grappler may remove it and let its consumers
+    read the input."""
+    if not op.inputs or len(op.outputs) != 1:
+        return False
+    if op.type in VALUE_FORWARDING_OP_TYPES:
+        return True
+    if op.type in _SHAPE_FORWARDING_OP_TYPES:
+        before, after = op.inputs[0].shape, op.outputs[0].shape
+        return before.is_fully_defined() and after.is_fully_defined() and before == after
+    return False
+
+
+def reads_a_variable(t: tf.Tensor) -> bool:
+    """Whether ``t`` is a variable's value (``ReadVariableOp``, or the read of a v1 ref
+    variable): grappler never removes an identity of it."""
+    if t.op.type == "ReadVariableOp":
+        return True
+    return t.op.type == "Identity" and bool(t.op.inputs) and t.op.inputs[0].op.type in (
+        "VariableV2", "Variable")
+
+
+def value_root(t: tf.Tensor):
+    """``ref()`` of the tensor whose value ``t`` forwards unchanged (``t`` itself when its
+    op computes something): two tensors with the same root are one value once grappler
+    has removed the forwarding ops between them."""
+    while forwards_its_input(t.op):
+        t = t.op.inputs[0]
+    return t.ref()
+
+
 def tensor_order(tensor: tf.Tensor) -> tuple:
     """Deterministic sort key of a tensor: producer's creation id, output index."""
     return (op_order(tensor.op), tensor.value_index)

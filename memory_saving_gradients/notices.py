@@ -25,3 +25,9 @@ class NothingRewrittenWarning(MemorySavingGradientsWarning):
 class EagerExecutionWarning(NothingRewrittenWarning):
     """Gradients ran eagerly (outside ``tf.function``, or Keras ``run_eagerly=True``):
     nothing can be rewritten there."""
+
+
+class FallbackWarning(MemorySavingGradientsWarning):
+    """A ``gradients()`` call used plain ``tf.gradients`` because the rewrite went wrong
+    (its gradients' structure differed from ``tf.gradients``', or it failed inside):
+    that call saves no memory, and its gradients are ``tf.gradients``' own."""

@@ -12,6 +12,7 @@ control inputs are only ever added to new ops.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterable, Sequence
 
 from ._tensorflow import tf
@@ -88,6 +89,7 @@ def copy_ops(
                 new.set_shape(old.shape)
                 copies[old.ref()] = new
             copied_ops[op] = new_op
+            _note_copy(new_op, op)
     return {
         t.ref(): copies[t.ref()] for op in ops for t in op.outputs
     }
@@ -447,3 +449,108 @@ def op_gradients(
                     f"{t.shape}. Calculated input gradient shape: {g.shape}"
                 ) from None
     return in_grads
+
+
+# -- what TensorFlow's gradient functions were called with and returned ----------
+
+
+class GradientCalls:
+    """What the gradient functions of ``graph``'s ops received and returned.
+
+    ``calls[op]`` is ``(output kinds, input kinds)`` for the user's op ``op``
+    (a recomputed copy counts as the op it copies), where a kind is
+    ``'none'``, ``'sparse'`` (``IndexedSlices``) or ``'dense'``.  An op whose
+    gradient function ran twice keeps the larger kind of each.
+    """
+
+    def __init__(self, graph: tf.Graph):
+        self.graph = graph
+        self.calls: dict = {}
+        self.originals: dict = {}  # copy -> the op it copies
+
+    def note(self, op: tf.Operation, output_gradients, input_gradients) -> None:
+        original = self.originals.get(op, op)
+        outs = tuple(gradient_kind(g) for g in output_gradients)
+        parts = input_gradients if isinstance(input_gradients, (list, tuple)) else [input_gradients]
+        ins = tuple(gradient_kind(g) for g in parts)
+        seen = self.calls.get(original)
+        if seen is not None and len(seen[0]) == len(outs) and len(seen[1]) == len(ins):
+            outs = tuple(max(a, b, key=KIND_ORDER.index) for a, b in zip(seen[0], outs))
+            ins = tuple(max(a, b, key=KIND_ORDER.index) for a, b in zip(seen[1], ins))
+        self.calls[original] = (outs, ins)
+
+
+KIND_ORDER = ("none", "sparse", "dense")
+
+
+def gradient_kind(gradient) -> str:
+    """``'none'``, ``'sparse'`` (an ``IndexedSlices``) or ``'dense'``."""
+    if gradient is None:
+        return "none"
+    if isinstance(gradient, _indexed_slices.IndexedSlices):
+        return "sparse"
+    return "dense"
+
+
+_observing = threading.local()  # this thread's stack of GradientCalls
+_patch_lock = threading.Lock()
+_patch_users = 0
+_ORIGINAL_GET_GRADIENT_FUNCTION = _ops.get_gradient_function
+
+
+def _current_calls():
+    stack = getattr(_observing, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _note_copy(copy: tf.Operation, original: tf.Operation) -> None:
+    calls = _current_calls()
+    if calls is not None and copy.graph is calls.graph:
+        calls.originals[copy] = calls.originals.get(original, original)
+
+
+def _observing_get_gradient_function(op):
+    function = _ORIGINAL_GET_GRADIENT_FUNCTION(op)
+    calls = _current_calls()
+    if function is None or calls is None or op.graph is not calls.graph:
+        return function
+
+    def gradient(forward_op, *output_gradients):
+        result = function(forward_op, *output_gradients)
+        calls.note(forward_op, output_gradients, result)
+        return result
+
+    return gradient
+
+
+def original_gradient_function(op: tf.Operation):
+    """TensorFlow's ``get_gradient_function``, never observed (LookupError as TensorFlow)."""
+    return _ORIGINAL_GET_GRADIENT_FUNCTION(op)
+
+
+@contextlib.contextmanager
+def observed_gradient_calls(graph: tf.Graph):
+    """Inside the block, the gradient functions TensorFlow calls on ``graph``'s ops in
+    this thread are noted in the :class:`GradientCalls` yielded.
+
+    ``ops.get_gradient_function`` (through which ``tf.gradients`` and
+    :func:`op_gradients` find gradient functions) is wrapped while any thread
+    observes; the wrapper is transparent to other threads and graphs.
+    """
+    global _patch_users
+    calls = GradientCalls(graph)
+    stack = getattr(_observing, "stack", None)
+    if stack is None:
+        stack = _observing.stack = []
+    with _patch_lock:
+        _patch_users += 1
+        _ops.get_gradient_function = _observing_get_gradient_function
+    stack.append(calls)
+    try:
+        yield calls
+    finally:
+        stack.pop()
+        with _patch_lock:
+            _patch_users -= 1
+            if not _patch_users:
+                _ops.get_gradient_function = _ORIGINAL_GET_GRADIENT_FUNCTION

@@ -98,3 +98,41 @@ def test_sibling_gradients_of_two_segments_are_not_fused_into_a_cycle():
 
     for a, b in zip(grads, plain(x)):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_wait_that_grappler_moves_onto_a_fused_sibling_closes_no_cycle():
+    """As above, with the bias read through two reshapes (as a Keras 3 ``Conv2D``
+    does) and every convolution kept.  Two waits that grappler moves closed cycles:
+    the next recomputation waited for the reshapes of the bias gradient, which
+    grappler removed, so the wait landed on the ``BiasAddGrad`` that oneDNN fuses
+    with the next segment's ``Conv2DBackpropFilter`` (found with
+    keras.applications.ResNet50 and 'speed'); and with the loss not fetched, the
+    top segment's wait on it landed on the last convolution, which oneDNN merged
+    with its only reader, the top segment's bias add, whose bias proxy waited for
+    it (docs/how-it-works.md step 4)."""
+    rng = np.random.RandomState(1)
+    filters = [tf.Variable(rng.randn(3, 3, 8, 8).astype(np.float32) * 0.2) for _ in range(6)]
+    biases = [tf.Variable(rng.randn(8).astype(np.float32) * 0.1) for _ in range(6)]
+
+    def forward(x, convs=None):
+        h = x
+        for f, b in zip(filters, biases):
+            c = tf.nn.conv2d(h, f, 1, "SAME")
+            if convs is not None:
+                convs.append(c)
+            h = tf.nn.relu(tf.nn.bias_add(c, tf.reshape(tf.reshape(b, [1, 8]), [8])))
+        return tf.reduce_sum(h * h)
+
+    @tf.function
+    def step(x):
+        convs = []
+        loss = forward(x, convs)
+        return msg.gradients(loss, filters + biases, checkpoints=convs)
+
+    @tf.function
+    def plain(x):
+        return tf.gradients(forward(x), filters + biases)
+
+    x = tf.constant(rng.randn(4, 16, 16, 8).astype(np.float32))
+    for a, b in zip(step(x), plain(x)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)

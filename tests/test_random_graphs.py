@@ -3,26 +3,37 @@
 Hypothesis draws a small random program (a DAG of differentiable ops on
 broadcast-compatible shapes: unary maps, broadcasting binary ops, matmul,
 concat + split / unstack, reductions over an axis, gather, casts through
-integers, stop_gradient), random ``xs`` (placeholders, intermediates, integer
-tensors, duplicates), one or several ``ys``, random ``grad_ys`` (some None),
-a random checkpoint list, and sometimes ``stop_gradients`` or
+integers, stop_gradient; and what users build: ``tf.while_loop`` carrying
+state and writing a ``TensorArray``, ``tf.cond`` on a data-dependent
+predicate, embedding lookups of a variable table (``IndexedSlices``
+gradients, made dense where the table is also read whole),
+``tf.custom_gradient`` (one of them gives None for an input), stateful
+random ops (``tf.random.uniform``, dropout), and the patterns grappler's
+remapper fuses under oneDNN: conv + bias + activation, matmul + bias (+
+relu)), random ``xs`` (placeholders, intermediates, integer tensors,
+duplicates, variables), one or several ``ys``, random ``grad_ys`` (some
+None), random checkpoint lists, and sometimes ``stop_gradients`` or
 ``unconnected_gradients='zero'``.  For every example one graph is built and
-differentiated by TensorFlow, by ``gradients()`` with the random checkpoint
-list, and by ``gradients()`` with every strategy in ``available_strategies()``;
-one session runs them all.  Each result must have TensorFlow's None pattern,
-kind (dense / ``IndexedSlices``), dtype and values (within float tolerance).
-A tenth as many smaller examples run the same comparison inside a
-``tf.function`` body.
+differentiated by TensorFlow, by ``gradients()`` with two checkpoint lists
+(the random one, and every float value), and by ``gradients()`` with every
+strategy in ``available_strategies()``; one session (default config: grappler
+on) runs them all.  Each result must have TensorFlow's None pattern, kind
+(dense / ``IndexedSlices``), dtype and values (within float tolerance), and no
+call may have taken the guard's fallback to ``tf.gradients``
+(a ``FallbackWarning``): the rewrite itself must be right.  A tenth as many
+smaller examples run the same comparison inside a ``tf.function`` body.
 
 ``tests/run_random_graphs.py`` runs the same property on thousands of examples.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import types
+import warnings
 from typing import List, Optional, Tuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -36,6 +47,7 @@ from hypothesis import strategies as st
 import memory_saving_gradients as msg
 from gradient_values import dense, kind
 from memory_saving_gradients._tensorflow import tf_gradients
+from memory_saving_gradients.notices import FallbackWarning
 
 N = 3  # every float tensor has a shape broadcastable to (N, N)
 SHAPES = [(), (N,), (1, N), (N, 1), (N, N)]
@@ -45,10 +57,20 @@ BINARY = ["add", "sub", "mul", "div_safe", "add_n"]
 REDUCE = ["sum", "mean", "max"]
 
 
+#: Variables every program has (xs may name them): an embedding table, dense and
+#: conv weights with their biases.
+TABLE_ROWS = 5
+CHANNELS = 2
+VARIABLES = {"table": (TABLE_ROWS, N), "w": (N, N), "b": (N,), "filter": (3, 3, 1, CHANNELS),
+             "conv_bias": (CHANNELS,)}
+IDS = [[4, 0, 4], [1, 3, 1], [2, 2, 0]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Node:
     kind: str          # 'unary', 'binary', 'matmul', 'split', 'unstack', 'reduce',
-                       # 'gather', 'to_int', 'from_int', 'stop'
+                       # 'gather', 'to_int', 'from_int', 'stop', 'while', 'cond',
+                       # 'embed', 'table_mean', 'custom', 'random', 'conv', 'dense'
     fn: str            # sub-kind (op name, reduction, ...)
     args: Tuple[int, ...]  # indices of earlier values
     param: int = 0     # axis, transpose flags, ...
@@ -66,6 +88,7 @@ class Program:
     stop_gradients: Tuple[int, ...]
     unconnected_zero: bool
     seed: int
+    var_xs: Tuple[str, ...] = ()            # names of VARIABLES that are xs too
 
 
 def _broadcast(a, b):
@@ -97,6 +120,16 @@ def _node_outputs(node: Node, shapes: list, is_int: list) -> List[Tuple[tuple, b
         return [(a, True)]
     if k == "from_int":
         return [(_broadcast(a, shapes[node.args[1]]), False)]
+    if k == "while":
+        return [((N, N), False), ((N, N), False)]
+    if k in ("cond", "custom"):
+        return [(_broadcast(a, shapes[node.args[1]]), False)]
+    if k in ("embed", "conv", "dense"):
+        return [((N, N), False)]
+    if k == "table_mean":
+        return [((N,), False)]
+    if k == "random":
+        return [(a, False)]
     raise AssertionError(k)
 
 
@@ -126,6 +159,8 @@ def programs(draw, max_nodes: int = 12) -> Program:
         pick = st.sampled_from(floats[-6:]) | st.sampled_from(floats)
         kinds = ["unary"] * 4 + ["binary"] * 4 + ["matmul", "split", "unstack", "reduce",
                                                   "reduce", "gather", "to_int", "stop"]
+        kinds += ["while", "cond", "embed", "embed", "table_mean", "custom", "random",
+                  "conv", "dense", "dense"]
         if ints:
             kinds += ["from_int"] * 2
         kind = draw(st.sampled_from(kinds))
@@ -145,6 +180,18 @@ def programs(draw, max_nodes: int = 12) -> Program:
             node = Node(kind, "gather", (draw(pick),), draw(st.integers(0, 2)))
         elif kind == "from_int":
             node = Node(kind, "from_int", (draw(st.sampled_from(ints)), draw(pick)))
+        elif kind in ("while", "cond", "custom"):
+            # while: param = steps (1-3) + 4 * (write a TensorArray); custom: param 1
+            # gives b a gradient, 0 gives None
+            param = {"while": draw(st.integers(1, 3)) + 4 * draw(st.integers(0, 1)),
+                     "cond": 0, "custom": draw(st.integers(0, 1))}[kind]
+            node = Node(kind, kind, (draw(pick), draw(pick)), param)
+        elif kind in ("embed", "table_mean"):
+            node = Node(kind, kind, (), draw(st.integers(0, len(IDS) - 1)))
+        elif kind in ("random", "conv", "dense"):
+            # random: 0 uniform noise, 1 dropout; conv: 0 relu, 1 tanh, 2 none;
+            # dense: 0 bias_add + relu, 1 bias_add, 2 + bias then relu
+            node = Node(kind, kind, (draw(pick),), draw(st.integers(0, 1 if kind == "random" else 2)))
         else:
             node = Node(kind, kind, (draw(pick),))
         if kind == "gather" and shapes[node.args[0]][:1] != (N,):
@@ -173,8 +220,9 @@ def programs(draw, max_nodes: int = 12) -> Program:
         st.integers(0, 9)) == 0 else ()
     unconnected_zero = draw(st.integers(0, 7)) == 0
     seed = draw(st.integers(0, 2**16))
+    var_xs = tuple(draw(st.lists(st.sampled_from(sorted(VARIABLES)), max_size=3)))
     return Program(dtype, inputs, tuple(nodes), xs, ys, grad_ys, checkpoints,
-                   stop_gradients, unconnected_zero, seed)
+                   stop_gradients, unconnected_zero, seed, var_xs)
 
 
 _UNARY_FNS = {
@@ -202,9 +250,89 @@ def _reduce(fn, a, param):
     return f(a, axis=rank - 1, keepdims=(param == 2))
 
 
-def _build_node(node: Node, values: list, dtype) -> list:
+def make_variables(dtype, seed: int = 0) -> dict:
+    """The VARIABLES, with fixed random values."""
+    rng = np.random.RandomState(seed)
+    return {name: tf.Variable(rng.uniform(-1, 1, size=shape).astype(dtype.as_numpy_dtype),
+                              name=name)
+            for name, shape in sorted(VARIABLES.items())}
+
+
+@tf.custom_gradient
+def _scaled_tanh_none(a, b):
+    """a * tanh(b); its gradient passes none to b (a custom gradient may)."""
+    y = a * tf.tanh(b)
+    return y, lambda dy: (dy * tf.tanh(b), None)
+
+
+@tf.custom_gradient
+def _scaled_tanh(a, b):
+    """a * tanh(b) with its exact gradient, written by hand."""
+    t = tf.tanh(b)
+    return a * t, lambda dy: (dy * t, dy * a * (1.0 - t * t))
+
+
+def _loop(a, b, steps: int, write: bool):
+    """A while loop carrying h (and a TensorArray of every h when ``write``)."""
+    a, b = (tf.broadcast_to(t, [N, N]) for t in (a, b))
+    array = tf.TensorArray(a.dtype, size=steps)
+
+    def body(i, h, acc, array):
+        h = tf.tanh(h * a + b * 0.5)
+        array = array.write(i, h) if write else array
+        return i + 1, h, acc + h * b, array
+
+    _, h, acc, array = tf.while_loop(
+        lambda i, *_: i < steps, body, [tf.constant(0), a * 0.5, tf.zeros_like(a), array])
+    return [h, tf.reduce_sum(array.stack(), axis=0) if write else acc]
+
+
+def _build_user_node(node: Node, args: list, dtype, variables: dict) -> list:
+    """The constructs users build: loops, conds, embeddings, custom gradients,
+    random ops, and the conv / matmul patterns the remapper fuses."""
+    k = node.kind
+    if k == "while":
+        return _loop(args[0], args[1], node.param % 4, node.param >= 4)
+    if k == "cond":
+        a, b = args
+        return [tf.cond(tf.reduce_sum(a) > 0, lambda: tf.tanh(a) * b, lambda: b - a * a)]
+    if k == "custom":
+        shape = _broadcast_all([t.shape for t in args])
+        a, b = (tf.broadcast_to(t, shape) for t in args)
+        return [(_scaled_tanh if node.param else _scaled_tanh_none)(a, b)]
+    if k == "embed":
+        return [tf.nn.embedding_lookup(variables["table"], tf.constant(IDS[node.param]))]
+    if k == "table_mean":
+        return [tf.reduce_mean(tf.convert_to_tensor(variables["table"]), axis=0)]
+    if k == "random":
+        a = args[0]
+        if node.param == 0:
+            return [a * tf.random.uniform(a.shape, 0.5, 1.5, dtype=dtype, seed=7)]
+        return [tf.nn.dropout(a, rate=0.25, seed=11)]
+    if k == "conv":
+        image = tf.reshape(tf.broadcast_to(args[0], [N, N]), [1, N, N, 1])
+        z = tf.nn.bias_add(tf.nn.conv2d(image, variables["filter"], 1, "SAME"),
+                           variables["conv_bias"])
+        z = [tf.nn.relu, tf.tanh, tf.identity][node.param](z)
+        return [tf.reshape(tf.reduce_sum(z, axis=3), [N, N])]
+    if k == "dense":
+        z = tf.matmul(tf.broadcast_to(args[0], [N, N]), variables["w"])
+        if node.param == 2:
+            return [tf.nn.relu(z + variables["b"])]
+        z = tf.nn.bias_add(z, variables["b"])
+        return [tf.nn.relu(z) if node.param == 0 else z]
+    raise AssertionError(k)
+
+
+USER_KINDS = frozenset({"while", "cond", "custom", "embed", "table_mean", "random", "conv",
+                        "dense"})
+
+
+def _build_node(node: Node, values: list, dtype, variables: Optional[dict] = None) -> list:
     args = [values[i] for i in node.args]
     k = node.kind
+    if k in USER_KINDS:
+        return _build_user_node(node, args, dtype, variables)
     if k == "unary":
         return [_UNARY_FNS[node.fn](args[0])]
     if k == "stop":
@@ -254,6 +382,7 @@ class Built:
     placeholders: list
     values: list
     feed: dict
+    variables: dict = dataclasses.field(default_factory=dict)
 
 
 def build(program: Program) -> Built:
@@ -263,12 +392,34 @@ def build(program: Program) -> Built:
     with graph.as_default():
         placeholders = [tf.compat.v1.placeholder(dtype, shape, name=f"in{i}")
                         for i, shape in enumerate(program.inputs)]
+        variables = make_variables(dtype, program.seed)
         values = list(placeholders)
         for node in program.nodes:
-            values.extend(_build_node(node, values, dtype))
+            values.extend(_build_node(node, values, dtype, variables))
     feed = {p: rng.uniform(-1.5, 1.5, size=p.shape.as_list()).astype(program.dtype)
             for p in placeholders}
-    return Built(graph, placeholders, values, feed)
+    return Built(graph, placeholders, values, feed, variables)
+
+
+def _xs(program: Program, values: list, variables: dict) -> list:
+    return [values[i] for i in program.xs] + [variables[n] for n in program.var_xs]
+
+
+def _every_float_value(program: Program, values: list) -> list:
+    """A second checkpoint list: every float value the program made (not its inputs)."""
+    return [v for v in values[len(program.inputs):] if v.dtype.is_floating]
+
+
+@contextlib.contextmanager
+def no_fallback(where: str):
+    """Fails (Mismatch) if a gradients() call in the block fell back to tf.gradients."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", FallbackWarning)
+        yield
+    taken = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    if taken:
+        raise Mismatch(f"{where}: the guard fell back to tf.gradients {len(taken)} time(s): "
+                       f"{taken[0]}")
 
 
 def grad_ys_for(program: Program, built: Built):
@@ -298,7 +449,7 @@ def check_program(program: Program, strategies: Optional[list] = None) -> int:
     built = build(program)
     with built.graph.as_default():
         ys = [built.values[i] for i in program.ys]
-        xs = [built.values[i] for i in program.xs]
+        xs = _xs(program, built.values, built.variables)
         checkpoints = [built.values[i] for i in program.checkpoints]
         for t in checkpoints:
             tf.compat.v1.add_to_collection("checkpoints", t)
@@ -310,25 +461,32 @@ def check_program(program: Program, strategies: Optional[list] = None) -> int:
         expected = tf_gradients(ys, xs, grad_ys=grad_ys, **options)
         variants = {}
         region_ok = True
-        try:
-            variants["list"] = msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints=checkpoints,
-                                             **options)
-        except ValueError as error:
-            # An explicit list with nothing usable is an error by design.
-            if "can be used" not in str(error):
-                raise
-            region_ok = False
-        for name in strategies:
-            variants[name] = msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints=name, **options)
+        lists = {"list": checkpoints, "every value": _every_float_value(program, built.values)}
+        if not lists["every value"]:
+            del lists["every value"]  # a program of integer values only
+        with no_fallback(f"xs={program.xs}+{program.var_xs} ys={program.ys}"):
+            for name, given in lists.items():
+                try:
+                    variants[name] = msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints=given,
+                                                   **options)
+                except ValueError as error:
+                    # An explicit list with nothing usable is an error by design.
+                    if "can be used" not in str(error):
+                        raise
+                    region_ok = region_ok and name != "list"
+            for name in strategies:
+                variants[name] = msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints=name,
+                                               **options)
     fetches = {"tf": [g for g in expected if g is not None]}
     for name, grads in variants.items():
         fetches[name] = [g for g in grads if g is not None]
     with tf.compat.v1.Session(graph=built.graph) as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
         out = sess.run(fetches, feed_dict=built.feed)
     dtype = np.dtype(program.dtype)
     rtol = 1e-4 if dtype == np.float32 else 1e-9
     for name, grads in variants.items():
-        where = f"{name}: xs={program.xs} ys={program.ys}"
+        where = f"{name}: xs={program.xs}+{program.var_xs} ys={program.ys}"
         if [kind(g) for g in grads] != [kind(g) for g in expected]:
             raise Mismatch(f"{where}: kinds {[kind(g) for g in grads]} != tf "
                            f"{[kind(g) for g in expected]}")
@@ -355,15 +513,16 @@ def check_program_in_function(program: Program, strategies: Optional[list] = Non
     dtype = tf.as_dtype(program.dtype)
     rng = np.random.RandomState(program.seed)
     arrays = [rng.uniform(-1.5, 1.5, size=shape).astype(program.dtype) for shape in program.inputs]
+    variables = make_variables(dtype, program.seed)
 
     @tf.function
     def run(*inputs):
         values = list(inputs)
         for node in program.nodes:
-            values.extend(_build_node(node, values, dtype))
-        built = Built(None, list(inputs), values, {})
+            values.extend(_build_node(node, values, dtype, variables))
+        built = Built(None, list(inputs), values, {}, variables)
         ys = [values[i] for i in program.ys]
-        xs = [values[i] for i in program.xs]
+        xs = _xs(program, values, variables)
         checkpoints = [values[i] for i in program.checkpoints]
         options = dict(
             stop_gradients=[values[i] for i in program.stop_gradients] or None,
@@ -371,14 +530,15 @@ def check_program_in_function(program: Program, strategies: Optional[list] = Non
         )
         grad_ys = grad_ys_for(program, built)
         out = {"tf": tf_gradients(ys, xs, grad_ys=grad_ys, **options)}
-        try:
-            out["list"] = msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints=checkpoints,
-                                        **options)
-        except ValueError as error:
-            if "can be used" not in str(error):  # nothing usable: an error by design
-                raise
-        for name in strategies:
-            out[name] = msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints=name, **options)
+        with no_fallback(f"in tf.function: xs={program.xs}+{program.var_xs} ys={program.ys}"):
+            try:
+                out["list"] = msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints=checkpoints,
+                                            **options)
+            except ValueError as error:
+                if "can be used" not in str(error):  # nothing usable: an error by design
+                    raise
+            for name in strategies:
+                out[name] = msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints=name, **options)
         return out
 
     out = run(*[tf.constant(a) for a in arrays])
@@ -406,7 +566,8 @@ def _dense_eager(g):
 def _any_usable(program: Program, built: Built) -> bool:
     from memory_saving_gradients import graph as graph_lib
     ys = [built.values[i] for i in program.ys]
-    xs = [built.values[i] for i in program.xs]
+    xs = [built.values[i] for i in program.xs] + [
+        built.variables[n].handle for n in program.var_xs]
     region = graph_lib.forward_region(ys, xs)
     excluded = {t.ref() for t in ys + xs}
     return any(region.produces(built.values[i]) and built.values[i].ref() not in excluded
@@ -466,11 +627,16 @@ def test_generator_covers_the_op_kinds():
             seen.add("stop_gradients")
         if p.unconnected_zero:
             seen.add("zero")
+        if p.var_xs:
+            seen.add("variable x")
+        if any(n.kind == "while" and n.param >= 4 for n in p.nodes):
+            seen.add("TensorArray")
 
     collect()
     wanted = {"unary", "binary", "matmul", "split", "unstack", "reduce", "gather", "to_int",
               "from_int", "stop", "several ys", "intermediate x", "integer x", "duplicate xs",
-              "x is a y", "grad_ys", "stop_gradients", "zero"}
+              "x is a y", "grad_ys", "stop_gradients", "zero", "variable x", "TensorArray"}
+    wanted |= USER_KINDS
     assert wanted <= seen, wanted - seen
 
 
@@ -492,4 +658,4 @@ def test_a_known_program():
                Node("reduce", "sum", (5,), 2), Node("binary", "add", (7, 6))),
         xs=(0, 1, 3), ys=(8, 5), grad_ys=(None, 7), checkpoints=(2, 4),
         stop_gradients=(), unconnected_zero=False, seed=3)
-    assert check_program(program) == 1 + len(msg.available_strategies())
+    assert check_program(program) == 2 + len(msg.available_strategies())
