@@ -346,7 +346,13 @@ def _backprop(
                 )
                 if parts else None
             )
+            open_keys.pop(key, None)
         return totals[key]
+
+    # kept tensors (not xs: only the final sums read theirs) with contributions not
+    # summed yet: the gradients later segments will read
+    open_keys: dict = {}
+    x_keys = {x.ref() for x in xs}
 
     # Where ys is not fetched, grappler reduces the forward ops above the last
     # checkpoint to their ordering and moves a wait on ys (or on the ones of the
@@ -355,6 +361,7 @@ def _backprop(
     top_waits = {y.op for y in ys}
     for y, g in zip(ys, rewrite.default_grad_ys(grad_ys, ys, colocate_gradients_with_ops)):
         contributions.setdefault(y.ref(), []).append(g)
+        open_keys.setdefault(y.ref(), True)
         top_waits.update(part.op for part in rewrite.tensors_of(g))
 
     stop_ops = {t.op for t in stops}
@@ -390,7 +397,7 @@ def _backprop(
             segment = graph_lib.construct_segment(members, targets, kept)
         incoming = [part for g in target_grads for part in rewrite.tensors_of(g)]
         waits = [t.op for t in targets] + [part.op for part in incoming] + readers.safe_to_wait_for(
-            previous_results, incoming + _pending_gradients(contributions, totals)
+            previous_results, incoming + _pending_gradients(contributions, open_keys)
         )
         if segment.recompute:
             differentiable = [t for t in segment.inputs if graph_lib.is_differentiable(t)]
@@ -463,6 +470,8 @@ def _backprop(
                 if t.ref() in totals:
                     raise AssertionError(f"gradient of {t.name} was summed before it was complete")
                 contributions.setdefault(t.ref(), []).append(g)
+                if t.ref() not in x_keys:
+                    open_keys.setdefault(t.ref(), True)
 
     results = []
     reach = None
@@ -481,12 +490,11 @@ def _backprop(
     return results
 
 
-def _pending_gradients(contributions: dict, totals: dict) -> list:
+def _pending_gradients(contributions: dict, open_keys) -> list:
     """The gradient tensors that segments not yet built will read: the contributions
-    to kept tensors whose gradient is not summed yet."""
+    to the kept tensors of ``open_keys`` (those whose gradient is not summed yet)."""
     return [
-        part for key, parts in contributions.items() if key not in totals
-        for g in parts for part in rewrite.tensors_of(g)
+        part for key in open_keys for g in contributions[key] for part in rewrite.tensors_of(g)
     ]
 
 
