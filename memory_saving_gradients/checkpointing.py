@@ -569,7 +569,13 @@ def _backprop(
                 )
                 if parts else None
             )
+            open_keys.pop(key, None)
         return totals[key]
+
+    # kept tensors (not xs: only the final sums read theirs) with contributions not
+    # summed yet: the gradients later segments will read
+    open_keys: dict = {}
+    x_keys = {x.ref() for x in xs}
 
     # Where ys is not fetched, grappler reduces the forward ops above the last
     # checkpoint to their ordering and moves a wait on ys (or on the ones of the
@@ -578,6 +584,7 @@ def _backprop(
     top_waits = {y.op for y in ys}
     for y, g in zip(ys, rewrite.default_grad_ys(grad_ys, ys, colocate_gradients_with_ops)):
         contributions.setdefault(y.ref(), []).append(g)
+        open_keys.setdefault(y.ref(), True)
         top_waits.update(part.op for part in rewrite.tensors_of(g))
 
     stop_ops = {t.op for t in stops}
@@ -613,7 +620,7 @@ def _backprop(
             segment = graph_lib.construct_segment(members, targets, kept)
         incoming = [part for g in target_grads for part in rewrite.tensors_of(g)]
         waits = [t.op for t in targets] + [part.op for part in incoming] + readers.safe_to_wait_for(
-            previous_results, incoming + _pending_gradients(contributions, totals)
+            previous_results, incoming + _pending_gradients(contributions, open_keys)
         )
         if segment.recompute:
             # variants too: a loop hands its TensorArrays/TensorLists out through them
@@ -687,6 +694,8 @@ def _backprop(
                 if t.ref() in totals:
                     raise AssertionError(f"gradient of {t.name} was summed before it was complete")
                 contributions.setdefault(t.ref(), []).append(g)
+                if t.ref() not in x_keys:
+                    open_keys.setdefault(t.ref(), True)
 
     results = []
     reach = None
@@ -705,12 +714,11 @@ def _backprop(
     return results
 
 
-def _pending_gradients(contributions: dict, totals: dict) -> list:
+def _pending_gradients(contributions: dict, open_keys) -> list:
     """The gradient tensors that segments not yet built will read: the contributions
-    to kept tensors whose gradient is not summed yet."""
+    to the kept tensors of ``open_keys`` (those whose gradient is not summed yet)."""
     return [
-        part for key, parts in contributions.items() if key not in totals
-        for g in parts for part in rewrite.tensors_of(g)
+        part for key in open_keys for g in contributions[key] for part in rewrite.tensors_of(g)
     ]
 
 
@@ -726,39 +734,44 @@ class _ReadersOfPendingGradients:
     for itself.  Values are compared after removing the identities and
     same-shape reshapes grappler removes (``graph.value_root``).
 
-    Each op is scanned once, when the next segment asks: its mark is the set of
-    pending values it descends from a reader of, so the walk stays linear.
+    Each op is visited once, the first time a wait asks about it or a descendant:
+    its mark is the set of pending values it descends from a reader of, so the
+    walk stays linear.
     """
 
     def __init__(self, graph: tf.Graph):
-        self._graph = graph
-        self._scanned = graph_lib.last_op_id(graph)
-        self._marks: dict = {}  # op -> frozenset of value roots
+        self._oldest = graph_lib.last_op_id(graph)  # older ops read no gradient of ours
+        self._marks: dict = {}  # op -> frozenset of value roots, for every op visited
 
     def safe_to_wait_for(self, ops: list, pending: list) -> list:
         """The ops of ``ops`` that descend from no reader of a ``pending`` gradient."""
         roots = frozenset(graph_lib.value_root(t) for t in pending)
-        self._scan(roots)
-        return [op for op in ops if not self._marks.get(op, frozenset()) & roots]
+        return [op for op in ops if not self._mark(op, roots) & roots]
 
-    def _scan(self, roots: frozenset) -> None:
-        new_ops = graph_lib.ops_created_after(self._graph, self._scanned)
-        for op in new_ops:
-            reads = not graph_lib.forwards_its_input(op)
+    def _mark(self, op: tf.Operation, roots: frozenset) -> frozenset:
+        """The pending values ``op`` descends from a reader of (each op is visited once)."""
+        stack = [op]
+        while stack:
+            current = stack[-1]
+            if current in self._marks:
+                stack.pop()
+                continue
+            above = [t.op for t in current.inputs] + list(current.control_inputs)
+            todo = [a for a in above if a not in self._marks
+                    and graph_lib.op_order(a) > self._oldest]
+            if todo:
+                stack.extend(todo)
+                continue
+            stack.pop()
             marks = set()
-            for t in op.inputs:
-                marks.update(self._marks.get(t.op, ()))
-                if reads:
-                    root = graph_lib.value_root(t)
-                    if root in roots:
-                        marks.add(root)
-            for dep in op.control_inputs:
-                marks.update(self._marks.get(dep, ()))
-            marks &= roots  # a value not pending now is never read by a later segment
-            if marks:
-                self._marks[op] = frozenset(marks)
-        if new_ops:
-            self._scanned = graph_lib.op_order(new_ops[-1])
+            for a in above:
+                marks.update(self._marks.get(a, ()))
+            if not graph_lib.forwards_its_input(current):
+                marks.update(root for root in map(graph_lib.value_root, current.inputs)
+                             if root in roots)
+            # a value not pending now is never read by a later segment
+            self._marks[current] = frozenset(marks & roots)
+        return self._marks[op]
 
 
 def _reached_by_tf_gradients(xs, region) -> set:

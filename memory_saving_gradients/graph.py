@@ -52,15 +52,6 @@ def last_op_id(graph: tf.Graph) -> int:
     return op_order(ops[-1]) if ops else 0
 
 
-def ops_created_after(graph: tf.Graph, after_id: int) -> list:
-    """The ops of ``graph`` whose creation id is larger than ``after_id``, oldest first."""
-    nodes = getattr(graph, "_nodes_by_id", None)  # pylint: disable=protected-access
-    if isinstance(nodes, dict):
-        newest = next(reversed(nodes), 0)
-        return [nodes[i] for i in range(after_id + 1, newest + 1) if i in nodes]
-    return [op for op in graph.get_operations() if op_order(op) > after_id]
-
-
 #: Op types whose output is their first input's value: grappler removes them and
 #: hands their consumers the input itself.
 VALUE_FORWARDING_OP_TYPES = frozenset(
