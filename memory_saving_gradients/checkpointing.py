@@ -156,6 +156,7 @@ def _gradients(
             return results
 
 
+@tf.autograph.experimental.do_not_convert  # as gradients(): called from tf.function bodies
 def plan(
     ys: TensorOrList,
     xs,

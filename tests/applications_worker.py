@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
@@ -60,8 +61,7 @@ def _forward_tensor(t: tf.Tensor) -> tf.Tensor:
 def _step(model, loss_fn, variant: str):
     with_layers = _layer_outputs(model) if variant == "list" else None
 
-    # autograph off: it would convert plan() (gradients() opts out itself)
-    @tf.function(autograph=False)
+    @tf.function  # autograph on, as users trace (plan() and gradients() opt out of it)
     def step(x, y):
         if with_layers is not None:
             *hidden, prediction = with_layers(x, training=True)
@@ -109,6 +109,7 @@ def main() -> None:
             for v, value in zip(model.variables, initial):
                 v.assign(value)
             return step(inputs, labels)
+        call.step = step
         return call
 
     plain = fresh(_step(model, loss_fn, "plain"))
@@ -120,15 +121,23 @@ def main() -> None:
     out["moved"] = _differences(plain(tf.constant(x * (1 + 1e-6 * noise)), y), want)
     for variant in variants:
         start = time.perf_counter()
+        call = fresh(_step(model, loss_fn, variant))
         try:
-            got = fresh(_step(model, loss_fn, variant))(tf.constant(x), y)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", msg.MemorySavingGradientsWarning)
+                got = call(tf.constant(x), y)
         except Exception as error:  # reported to the test, which fails on it
             out["variants"][variant] = {"error": f"{type(error).__name__}: {str(error)[-1500:]}"}
             continue
+        traced = call.step.get_concrete_function(tf.constant(x), y).graph  # the same trace
         out["variants"][variant] = {
             "differences": _differences(got, want),
             "none_pattern_differs": [g is None for g in got] != [w is None for w in want],
             "seconds": round(time.perf_counter() - start, 1),
+            # what the library said, and how many recomputed copies the step holds
+            "notices": sorted({w.category.__name__ for w in caught
+                               if issubclass(w.category, msg.MemorySavingGradientsWarning)}),
+            "recomputed_ops": sum("/recompute_" in op.name for op in traced.get_operations()),
         }
     print(json.dumps(out))
 
