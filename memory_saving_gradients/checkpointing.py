@@ -706,7 +706,7 @@ def _backprop(
             # tf.gradients gives zeros for an unused output of an op it differentiates,
             # which it does when its walk from xs reaches one of the op's inputs.
             if reach is None:
-                reach = _reached_by_tf_gradients(xs, region)
+                reach = graph_lib.reached_by_tf_gradients(xs, region)
             if any(t.op in reach for t in x.op.inputs):
                 g = rewrite.unused_output_gradient(x)
         if g is None and unconnected == tf.UnconnectedGradients.ZERO:
@@ -773,21 +773,6 @@ class _ReadersOfPendingGradients:
             # a value not pending now is never read by a later segment
             self._marks[current] = frozenset(marks & roots)
         return self._marks[op]
-
-
-def _reached_by_tf_gradients(xs, region) -> set:
-    """The ops tf.gradients' walk reaches from xs: it follows trainable outputs only."""
-    reached: set = set()
-    stack = [x.op for x in xs]
-    while stack:
-        op = stack.pop()
-        if op in reached:
-            continue
-        reached.add(op)
-        for t in op.outputs:
-            if rewrite.is_trainable(t):
-                stack.extend(c for c in t.consumers() if c in region)
-    return reached
 
 
 def _naming_original(error: LookupError, ops, copies) -> LookupError:

@@ -292,6 +292,23 @@ def carries_gradient(tensor: tf.Tensor) -> bool:
     return _backprop_util.IsTrainable(tensor)
 
 
+def reached_by_tf_gradients(xs: Sequence[tf.Tensor], region=None) -> set:
+    """The ops ``tf.gradients``' walk reaches from the ops of ``xs``: it follows the
+    tensors that carry gradients (:func:`carries_gradient`) to their consumers (those
+    in ``region`` only, when given)."""
+    reached: set = set()
+    stack = [x.op for x in xs]
+    while stack:
+        op = stack.pop()
+        if op in reached:
+            continue
+        reached.add(op)
+        for t in op.outputs:
+            if carries_gradient(t):
+                stack.extend(c for c in t.consumers() if region is None or c in region)
+    return reached
+
+
 def is_float_or_complex(tensor: tf.Tensor) -> bool:
     """Whether ``tensor`` holds float or complex values: its gradient is then a tensor of
     its own size (that of a resource or variant handle is the size of what it refers to)."""

@@ -145,7 +145,7 @@ class _Walk:
     def __init__(self, ys, xs, grad_ys, stops, calls: dict):
         self.calls = calls
         self.xs = list(xs)
-        self.reached = self._reached()
+        self.reached = graph_lib.reached_by_tf_gradients(self.xs)
         self.between = self._between(ys)
         self.stop_gradient_ops = {t.op for t in stops}
         self.stop_ops = self.stop_gradient_ops | {
@@ -157,20 +157,6 @@ class _Walk:
             given = "dense" if g is None else rewrite.gradient_kind(g)
             self.kinds[y.ref()] = _join(self.kinds.get(y.ref(), "none"), given)
         self._propagate()
-
-    def _reached(self) -> set:
-        """Ops ``tf.gradients`` reaches from the ops of xs through trainable tensors."""
-        reached: set = set()
-        stack = [x.op for x in self.xs]
-        while stack:
-            op = stack.pop()
-            if op in reached:
-                continue
-            reached.add(op)
-            for t in op.outputs:
-                if rewrite.is_trainable(t):
-                    stack.extend(t.consumers())
-        return reached
 
     def _between(self, ys) -> set:
         between: set = set()
