@@ -737,7 +737,8 @@ class _ReadersOfPendingGradients:
 
     Each op is visited once, the first time a wait asks about it or a descendant:
     its mark is the set of pending values it descends from a reader of, so the
-    walk stays linear.
+    walk stays linear.  A back edge of a v1 loop (``NextIteration`` into
+    ``Merge``) adds nothing to the mark of the op it leads to.
     """
 
     def __init__(self, graph: tf.Graph):
@@ -752,17 +753,20 @@ class _ReadersOfPendingGradients:
     def _mark(self, op: tf.Operation, roots: frozenset) -> frozenset:
         """The pending values ``op`` descends from a reader of (each op is visited once)."""
         stack = [op]
+        visiting: set = set()  # on the walk's path: a v1 loop's back edge leads back to one
         while stack:
             current = stack[-1]
             if current in self._marks:
                 stack.pop()
                 continue
             above = [t.op for t in current.inputs] + list(current.control_inputs)
-            todo = [a for a in above if a not in self._marks
-                    and graph_lib.op_order(a) > self._oldest]
-            if todo:
-                stack.extend(todo)
-                continue
+            if current not in visiting:
+                visiting.add(current)
+                todo = [a for a in above if a not in self._marks and a not in visiting
+                        and graph_lib.op_order(a) > self._oldest]
+                if todo:
+                    stack.extend(todo)
+                    continue
             stack.pop()
             marks = set()
             for a in above:
