@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from memory_saving_gradients import profiling  # noqa: E402
+from memory_saving_gradients import tape as tape_lib  # noqa: E402
 from gradient_values import dense  # noqa: E402
 
 #: Size of one unit of the chain memory tests: 262144 float32 = 1 MiB.
@@ -130,3 +131,17 @@ def op_snapshot():
                 for op in g.get_operations()}
 
     return snapshot
+
+
+@pytest.fixture
+def recorded_graphs(monkeypatch):
+    """Graphs in which GradientTape called gradients() (Keras builds them out of reach)."""
+    graphs = []
+    real = tape_lib._checkpointed_gradients
+
+    def spy(ys, *args, **kwargs):
+        graphs.append(ys[0].graph)
+        return real(ys, *args, **kwargs)
+
+    monkeypatch.setattr(tape_lib, "_checkpointed_gradients", spy)
+    return graphs

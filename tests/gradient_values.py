@@ -2,8 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
+
+
+@contextlib.contextmanager
+def control_flow_v1():
+    """v1 control flow for graphs built inside; process-global, so always restored."""
+    was_v2 = tf.compat.v1.control_flow_v2_enabled()
+    tf.compat.v1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        if was_v2:
+            tf.compat.v1.enable_control_flow_v2()
 
 
 def dense(value):

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import profiling
+from gradient_values import control_flow_v1
 
 WIDTH = 16
 BATCH = 4
@@ -27,17 +28,6 @@ V1_TYPES = {"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Ex
 V2_TYPES = {"While", "StatelessWhile", "If", "StatelessIf"}
 AUTOMATIC = [s for s in msg.available_strategies() if s != "collection"]
 
-
-@contextlib.contextmanager
-def control_flow_v1():
-    """v1 control flow for graphs built inside; process-global, so always restored."""
-    was_v2 = tf.compat.v1.control_flow_v2_enabled()
-    tf.compat.v1.disable_control_flow_v2()
-    try:
-        yield
-    finally:
-        if was_v2:
-            tf.compat.v1.enable_control_flow_v2()
 
 
 def _weights():

@@ -28,20 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "keras_fit.py")
 
 
-@pytest.fixture
-def recorded_graphs(monkeypatch):
-    """Graphs in which GradientTape called gradients() (Keras builds them out of reach)."""
-    graphs = []
-    real = tape_lib._checkpointed_gradients
-
-    def spy(ys, *args, **kwargs):
-        graphs.append(ys[0].graph)
-        return real(ys, *args, **kwargs)
-
-    monkeypatch.setattr(tape_lib, "_checkpointed_gradients", spy)
-    return graphs
-
-
 def _data(batch=512, inputs=16, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, inputs)).astype("float32")

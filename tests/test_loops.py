@@ -31,7 +31,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients import tape as tape_lib  # noqa: E402
+from gradient_values import control_flow_v1  # noqa: E402
 
 try:
     import keras  # noqa: E402
@@ -51,17 +51,6 @@ def _quiet():
     yield
     logger.setLevel(level)
 
-
-@contextlib.contextmanager
-def control_flow_v1():
-    """v1 control flow for graphs built inside; process-global, so always restored."""
-    was_v2 = tf.compat.v1.control_flow_v2_enabled()
-    tf.compat.v1.disable_control_flow_v2()
-    try:
-        yield
-    finally:
-        if was_v2:
-            tf.compat.v1.enable_control_flow_v2()
 
 
 def _values():
@@ -530,20 +519,6 @@ def _fit(kind: str, how: str):
 @functools.lru_cache(maxsize=None)
 def _plain_fit(kind: str):
     return _fit(kind, "plain")
-
-
-@pytest.fixture
-def recorded_graphs(monkeypatch):
-    """Graphs in which a tape called gradients() (Keras builds them out of reach)."""
-    graphs = []
-    real = tape_lib._checkpointed_gradients
-
-    def spy(ys, *args, **kwargs):
-        graphs.append(ys[0].graph)
-        return real(ys, *args, **kwargs)
-
-    monkeypatch.setattr(tape_lib, "_checkpointed_gradients", spy)
-    return graphs
 
 
 RNN_CASES = [("LSTM", "patched"), ("LSTM", "enable"), ("GRU", "patched"), ("GRU", "enable"),
