@@ -110,6 +110,12 @@ PASSED_BY_THE_REPLACEMENTS = (
 )
 
 
+def _recorded(record, ys, xs, grad_ys, **arguments):
+    """The checkpointed gradients, their rewrite recorded in ``record``."""
+    with reporting.recording(record):
+        return _checkpointed_gradients(ys, xs, grad_ys, **arguments)
+
+
 def make_gradients_v1(checkpoints="memory", record: reporting.Record | None = None, **options):
     """A function with ``tf.compat.v1.gradients``' signature that checkpoints
     (its rewrites are recorded in ``record``)."""
@@ -127,18 +133,13 @@ def make_gradients_v1(checkpoints="memory", record: reporting.Record | None = No
         stop_gradients=None,
         unconnected_gradients=tf.UnconnectedGradients.NONE,
     ):
-        with reporting.recording(record):
-            return _checkpointed_gradients(
-                ys, xs, grad_ys,
-                checkpoints=checkpoints,
-                name=name,
-                colocate_gradients_with_ops=colocate_gradients_with_ops,
-                gate_gradients=gate_gradients,
-                aggregation_method=aggregation_method,
-                stop_gradients=stop_gradients,
-                unconnected_gradients=unconnected_gradients,
-                **options,
-            )
+        return _recorded(
+            record, ys, xs, grad_ys, checkpoints=checkpoints, name=name,
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+            stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients,
+            **options,
+        )
 
     gradients.__doc__ = (
         f"tf.compat.v1.gradients with checkpoints={checkpoints!r} "
@@ -169,18 +170,13 @@ def make_gradients_v2(checkpoints="memory", record: reporting.Record | None = No
         *,
         colocate_gradients_with_ops=False,
     ):
-        with reporting.recording(record):
-            return _checkpointed_gradients(
-                ys, xs, grad_ys,
-                checkpoints=checkpoints,
-                name=name,
-                colocate_gradients_with_ops=colocate_gradients_with_ops,
-                gate_gradients=gate_gradients,
-                aggregation_method=aggregation_method,
-                stop_gradients=stop_gradients,
-                unconnected_gradients=unconnected_gradients,
-                **options,
-            )
+        return _recorded(
+            record, ys, xs, grad_ys, checkpoints=checkpoints, name=name,
+            colocate_gradients_with_ops=colocate_gradients_with_ops,
+            gate_gradients=gate_gradients, aggregation_method=aggregation_method,
+            stop_gradients=stop_gradients, unconnected_gradients=unconnected_gradients,
+            **options,
+        )
 
     gradients.__doc__ = (
         f"tf.gradients with checkpoints={checkpoints!r} (memory_saving_gradients.patch())."
