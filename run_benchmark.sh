@@ -49,4 +49,4 @@ case " $* " in
 esac
 
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
-exec "$PY" -m memory_saving_gradients.benchmark "$@"
+exec "$PY" -m bench "$@"

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                    help="fail if memory's XLA temp / tf.gradients' XLA temp is above this")
     args = p.parse_args(argv)
 
-    from memory_saving_gradients.bench import xla as xla_lib
+    from bench import xla as xla_lib
 
     dump = None if args.no_xla else xla_lib.XlaDump()  # before anything compiles with XLA
     import tensorflow as tf
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         return 0
 
     import memory_saving_gradients as msg
-    from memory_saving_gradients.bench import core, models
+    from bench import core, models
 
     if "memory" not in msg.available_strategies():
         print("gpu_resnet: FAILED: checkpoints='memory' is not available in this package.")

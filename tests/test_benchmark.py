@@ -11,8 +11,9 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 import test_models
-from memory_saving_gradients import benchmark
-from memory_saving_gradients.bench import core, fits, report
+import bench as benchmark
+from bench import cli
+from bench import core, fits, report
 
 
 def _chain_spec(n=20, size=16384):
@@ -76,7 +77,7 @@ def test_budget_variant_reports_infeasible_budget_as_a_row():
 
 
 def _row(result):
-    from memory_saving_gradients.bench.sweep import Row
+    from bench.sweep import Row
 
     return Row(result)
 
@@ -128,7 +129,7 @@ def test_gradients_close_handles_sparse_and_detects_differences():
 
 def test_cli_quick_writes_tables_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
-    code = benchmark.main([
+    code = cli.main([
         "--quick", "--models", "resnet", "--variants", "tf.gradients,memory",
         "--fits-variants", "tf.gradients,memory", "--cap-mb", "0.45", "--steps", "1",
         "--train-steps", "3", "--out", str(out), "--no-progress",
@@ -158,7 +159,7 @@ def test_cli_quick_writes_tables_and_plots(tmp_path, capsys):
 
 def test_help_lists_the_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        benchmark.main(["--help"])
+        cli.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in ("--models", "--depths", "--batch", "--variants", "--budget-fraction",
@@ -171,7 +172,6 @@ def test_all_library_variants_are_known_to_the_installed_package():
     for variant, strategy in core.LIBRARY_STRATEGY.items():
         assert strategy in msg.available_strategies(), variant
     assert not math.isnan(core.DEFAULT_BUDGET_FRACTION)
-    assert os.path.basename(benchmark.__file__) == "benchmark.py"
 
 
 def _gpu_resnet(*args):
@@ -225,7 +225,7 @@ def test_cli_xla_only_writes_its_table_and_plot(tmp_path):
                PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     env.pop("XLA_FLAGS", None)
     ran = subprocess.run(
-        [sys.executable, "-m", "memory_saving_gradients.benchmark", "--quick", "--xla-only",
+        [sys.executable, "-m", "bench", "--quick", "--xla-only",
          "--models", "mlp", "--out", str(tmp_path), "--no-progress"],
         capture_output=True, text=True, timeout=300, env=env, cwd=root,
     )
@@ -240,9 +240,9 @@ def test_cli_xla_only_writes_its_table_and_plot(tmp_path):
 def test_least_peak_check_skips_variants_with_the_same_plan():
     """A budget whose plan keeps exactly 'memory''s checkpoints is the same step measured
     again: its lower reading is measurement jitter, not a variant that beats 'memory'."""
-    from memory_saving_gradients.bench import report
-    from memory_saving_gradients.bench.core import Result
-    from memory_saving_gradients.bench.sweep import Row
+    from bench import report
+    from bench.core import Result
+    from bench.sweep import Row
 
     def row(variant, mb, key):
         return Row(Result("resnet", "depth=110", 32, variant, peak_bytes=int(mb * 2**20),
@@ -274,8 +274,8 @@ class _FlakyThenRight:
 def test_gradient_check_repeats_a_mismatch_and_says_so(monkeypatch, wrong_runs, equal, retries):
     """A mismatch is checked again (a nondeterministic kernel gives the right values the
     next time, a wrong rewrite never does), and the table's note counts the retries."""
-    from memory_saving_gradients.bench.core import Result, _Built, _trace_and_check
-    from memory_saving_gradients.bench.sweep import Row
+    from bench.core import Result, _Built, _trace_and_check
+    from bench.sweep import Row
 
     session = _FlakyThenRight(wrong_runs)
     monkeypatch.setattr(core.profiling, "traced_run",
@@ -294,7 +294,7 @@ def test_gradient_check_repeats_a_mismatch_and_says_so(monkeypatch, wrong_runs, 
 def test_cli_largest_batch_writes_its_table_and_every_answer_fits(tmp_path):
     """--largest-batch: per model, the largest batch predicted to fit, plain and 'memory',
     each verified by traced steps at that batch (measured within the memory)."""
-    code = benchmark.main(["--quick", "--largest-batch", "4", "--models", "mlp,unet,chain",
+    code = cli.main(["--quick", "--largest-batch", "4", "--models", "mlp,unet,chain",
                            "--out", str(tmp_path), "--no-progress"])
     assert code == 0
     with open(tmp_path / "largest_batch.csv") as f:

@@ -10,7 +10,7 @@ must equal plain's (dropout 0.1 stays on: recomputation must reuse the same
 masks), and the allocator's peak of the timed steps (TensorFlow's CPU
 allocator statistics, bytes beyond those in use before the steps: weights and
 optimizer slots do not count) must be at most 80% of plain's.  Measured at
-these sizes (2026-12-01, benchmarks/keras_test_figures.py): GPT-2 85.3 ->
+these sizes (2026-12-01, tests/keras_figures.py): GPT-2 85.3 ->
 23.8 / 23.0 MiB (enable / patched), BERT 83.0 -> 33.8 / 32.3 MiB,
 MobileNetV2 72.1 -> 46.6 MiB.
 
@@ -33,7 +33,7 @@ import tensorflow as tf  # noqa: E402
 keras = pytest.importorskip("keras")
 
 import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients.bench import keras_suite  # noqa: E402
+from bench import keras_suite  # noqa: E402
 
 try:
     keras_suite.import_keras_hub()

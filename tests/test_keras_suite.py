@@ -1,4 +1,4 @@
-"""The benchmark's Keras suite (memory_saving_gradients.bench.keras_suite): rows, ratios,
+"""The benchmark's Keras suite (bench.keras_suite): rows, ratios,
 outputs, and one tiny case run in its own process as the suite runs it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from memory_saving_gradients.bench import cli, keras_suite
-from memory_saving_gradients.bench.keras_suite import Row
+from bench import cli, keras_suite
+from bench.keras_suite import Row
 
 
 def _rows():

@@ -1,7 +1,7 @@
 """The rewrite scales like ``tf.gradients``: linear time, linear Python memory.
 
 Stated expectations (issue 6), measured here at ~4x-apart sizes (the 10k/100k
-sizes are in ``memory_saving_gradients.scaling``, for the benchmark):
+sizes are in ``bench.rewrite_time``, for the benchmark):
 
 - time: 4x the ops costs at most 6x the time, and ``gradients()`` with
   checkpoints ('memory' where available) takes at most 3x what
@@ -33,7 +33,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import scaling
+from bench import rewrite_time as scaling
 from memory_saving_gradients._tensorflow import tf_gradients
 
 SIZES = {"chain": (3_000, 12_000), "resnet": (5_000, 20_000)}

@@ -29,7 +29,7 @@ tf_keras = pytest.importorskip(
 
 import memory_saving_gradients as msg  # noqa: E402
 from memory_saving_gradients import profiling  # noqa: E402
-from memory_saving_gradients.bench import keras_suite  # noqa: E402
+from bench import keras_suite  # noqa: E402
 
 #: conv net: 8 x (3x3 conv 8 channels - batch norm - ReLU) at 32 px, batch 32
 CONV_SIZE = dict(batch=32, image=32, channels=8, depth=8, classes=10, warm_steps=1, steps=2)

@@ -224,7 +224,7 @@ def test_xs_may_be_captured_eager_tensors():
 
 
 def test_temp_bytes_of_report_reads_both_formats():
-    from memory_saving_gradients.bench.xla import temp_bytes_of_report
+    from bench.xla import temp_bytes_of_report
 
     text = ("allocation 3: size 1.62MiB, preallocated-temp:\n"
             "allocation 0: size 128.0KiB, parameter 0, shape |f32[256,128]|:\n")
@@ -341,8 +341,8 @@ def test_keras_fit_with_jit_compile(xla_memory, how):
 
 
 def _child_jit() -> dict:
-    from memory_saving_gradients.bench import core as bench_core
-    from memory_saving_gradients.bench import xla as bench_xla
+    from bench import core as bench_core
+    from bench import xla as bench_xla
     import test_models
 
     dump = bench_xla.XlaDump()
@@ -463,7 +463,7 @@ def _wrap_function(dump) -> dict:
 
 
 def _child_auto() -> dict:
-    from memory_saving_gradients.bench import xla as bench_xla
+    from bench import xla as bench_xla
 
     dump = bench_xla.XlaDump()
 

@@ -39,7 +39,7 @@ def test_models_package():
         raise ImportError(
             "The default sweep uses the models in test_models/, which a source checkout "
             "of memory_saving_gradients has. Run from the repository root, or measure "
-            "your own model with memory_saving_gradients.benchmark.measure(build_fn, variant)."
+            "your own model with bench.measure(build_fn, variant)."
         ) from error
     return test_models
 

@@ -1,6 +1,6 @@
 """The largest batch each model trains in a fixed memory, plain and with ``'memory'``.
 
-``python -m memory_saving_gradients.benchmark --largest-batch 256`` builds each
+``python -m bench --largest-batch 256`` builds each
 benchmark model with its batch dimension unknown (placeholders ``[None, ...]``),
 asks the plan for the largest batch whose predicted peak (with
 ``batch.HEADROOM``) fits the memory, for plain ``tf.gradients``
@@ -57,7 +57,7 @@ class Row:
 
 def _graph(module, size: dict, batch: int):
     """Loss, trainable params and a feed for ``batch``, the batch dimension None."""
-    from .._tensorflow import tf
+    from memory_saving_gradients._tensorflow import tf
 
     params = module.make_params(seed=0, **size)
     placeholders = []
@@ -72,8 +72,8 @@ def _graph(module, size: dict, batch: int):
 def _measure(module, size: dict, batch: int, checkpointed: bool) -> tuple:
     """(least, most) measured peak bytes of the step at ``batch``."""
     import memory_saving_gradients as msg
-    from .._tensorflow import tf
-    from .. import profiling
+    from memory_saving_gradients._tensorflow import tf
+    from memory_saving_gradients import profiling
 
     with tf.Graph().as_default():
         loss, xs, feed = _graph(module, size, batch)
@@ -92,7 +92,7 @@ def _measure(module, size: dict, batch: int, checkpointed: bool) -> tuple:
 
 def run(names: List[str], memory_mb: float, quick: bool = False) -> List[Row]:
     import memory_saving_gradients as msg
-    from .._tensorflow import tf
+    from memory_saving_gradients._tensorflow import tf
     from .models import test_models_package
 
     tm = test_models_package()

@@ -27,9 +27,9 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .._tensorflow import tf, tf_gradients
+from memory_saving_gradients._tensorflow import tf, tf_gradients
 
-logger = logging.getLogger("memory_saving_gradients.bench")
+logger = logging.getLogger("bench")
 
 #: Variants of the XLA comparison, in table order.
 XLA_VARIANTS = ("tf.gradients", "recompute_grad", "collection", "memory")
@@ -118,7 +118,7 @@ class XlaResult:
 def gradient_step(functional, params, variant: str, jit_compile: bool = True):
     """A ``tf.function`` returning the gradients of the model's loss, computed by ``variant``.
 
-    ``functional`` is a :class:`~memory_saving_gradients.bench.core.Functional`
+    ``functional`` is a :class:`~bench.core.Functional`
     (``forward(params, *inputs, unit_wrapper=None) -> (loss, units)``).
     """
     import memory_saving_gradients as msg

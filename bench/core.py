@@ -39,10 +39,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .._tensorflow import tf, tf_gradients
-from .. import profiling
+from memory_saving_gradients._tensorflow import tf, tf_gradients
+from memory_saving_gradients import profiling
 
-logger = logging.getLogger("memory_saving_gradients.bench")
+logger = logging.getLogger("bench")
 
 MB = 2.0**20
 

@@ -1,4 +1,4 @@
-"""``python -m memory_saving_gradients.benchmark``: the sweep, the fits-in-N-MB search,
+"""``python -m bench``: the sweep, the fits-in-N-MB search,
 the training check, and the tables and plots, from one command."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def parser() -> argparse.ArgumentParser:
     from .models import DEFAULT_MODELS
 
     p = argparse.ArgumentParser(
-        prog="python -m memory_saving_gradients.benchmark",
+        prog="python -m bench",
         description="Measure peak memory and step time of memory_saving_gradients against\n"
         "tf.gradients, grappler's recomputation and tf.recompute_grad on real models.\n"
         "Every number is measured in this run (peaks from the allocator's records of a\n"
@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
                    help="checkpoints= of the memory-saving run in the loss-curve check")
     p.add_argument("--scaling-sizes", default=None,
                    help="graph sizes (ops, comma-separated) for the rewrite-time rows of "
-                   "memory_saving_gradients.scaling; 'none' to skip (default 2500, about "
+                   "bench.rewrite_time; 'none' to skip (default 2500, about "
                    "a minute; quick: none; issue-sized: 10000,100000, many minutes)")
     p.add_argument("--frontier", type=int, default=0, metavar="N",
                    help="also measure N 'memory' runs with memory_budget from the least "
@@ -104,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def resolve_device(choice: str) -> str:
-    from .._tensorflow import tf
+    from memory_saving_gradients._tensorflow import tf
 
     if choice == "auto":
         return "/GPU:0" if tf.config.list_physical_devices("GPU") else ""
@@ -122,13 +122,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         from . import keras_suite
 
         return keras_suite.main(out=args.out, quick=args.quick, command=" ".join(
-            ["python -m memory_saving_gradients.benchmark"] + list(sys.argv[1:] if argv is None else argv)))
+            ["python -m bench"] + list(sys.argv[1:] if argv is None else argv)))
     dump = None
     if args.xla or args.xla_only:
         from . import xla as xla_lib
 
         dump = xla_lib.XlaDump()  # before anything in this process compiles with XLA
-    from .._tensorflow import tf
+    from memory_saving_gradients._tensorflow import tf
     from . import fits as fits_lib
     from . import models, report, sweep, training
 
@@ -187,7 +187,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if scaling_sizes:
         section = _scaling_section(scaling_sizes)
         if section:
-            extra.append(("Rewrite time vs graph size (memory_saving_gradients.scaling)", section))
+            extra.append(("Rewrite time vs graph size (bench.rewrite_time)", section))
     wall = time.time() - started
     header = _header(args, argv, device, wall, load_before, tf)
     written = report.write_outputs(args.out, rows, fit_results, curves, extra, header=header)
@@ -320,28 +320,20 @@ def _fits(args, rows, specs, device, fits_lib, models):
 
 
 def _scaling_section(sizes: List[int]) -> Optional[str]:
-    try:
-        from .. import scaling  # optional: rewrite time vs graph size
-    except ImportError:
-        print("note: memory_saving_gradients.scaling not found; no rewrite-time rows")
-        return None
-    if not (hasattr(scaling, "rewrite_times") and hasattr(scaling, "markdown_table")):
-        print("note: memory_saving_gradients.scaling lacks rewrite_times/markdown_table; "
-              "no rewrite-time rows")
-        return None
+    from . import rewrite_time
+
     print(f"Rewrite time vs graph size ({', '.join(map(str, sizes))} ops) ...", flush=True)
-    rows = scaling.rewrite_times(sizes=sizes, on_row=lambda r: print(
+    rows = rewrite_time.rewrite_times(sizes=sizes, on_row=lambda r: print(
         f"  {r['model']} {r['size_key']}={r['size']}: {r['ops']} ops, tf.gradients "
         f"{r['tf_seconds']:.2f} s, gradients() {r['ours_seconds']:.2f} s", flush=True))
-    table = scaling.markdown_table(rows)
-    if hasattr(scaling, "warm_build_ratio"):
-        try:
-            r = scaling.warm_build_ratio()
-        except ImportError:  # no test_models: no ResNet-110 row
-            return table
-        table += (f"\n\nResNet-{r['depth']} batch {r['batch']} ({r['ops']} ops), both warmed up, "
-                  f"best of {r.get('repeats', 2)}: tf.gradients {r['tf_seconds']:.3f} s, gradients(checkpoints="
-                  f"{r['checkpoints']!r}) {r['ours_seconds']:.3f} s: {r['ratio']:.2f}x.")
+    table = rewrite_time.markdown_table(rows)
+    try:
+        r = rewrite_time.warm_build_ratio()
+    except ImportError:  # no test_models: no ResNet-110 row
+        return table
+    table += (f"\n\nResNet-{r['depth']} batch {r['batch']} ({r['ops']} ops), both warmed up, "
+              f"best of {r.get('repeats', 2)}: tf.gradients {r['tf_seconds']:.3f} s, gradients(checkpoints="
+              f"{r['checkpoints']!r}) {r['ours_seconds']:.3f} s: {r['ratio']:.2f}x.")
     return table
 
 
@@ -353,7 +345,7 @@ def _load() -> str:
 
 
 def _header(args, argv, device, wall, load_before, tf) -> str:
-    command = "python -m memory_saving_gradients.benchmark " + " ".join(
+    command = "python -m bench " + " ".join(
         argv if argv is not None else sys.argv[1:])
     return "\n".join([
         "# Benchmark results",

@@ -1,6 +1,6 @@
 """The Keras suite of the benchmark: the training paths TF2 users have.
 
-``python -m memory_saving_gradients.benchmark --suite keras`` runs, each in
+``python -m bench --suite keras`` runs, each in
 its own process (so that one variant's memory never counts towards
 another's):
 
@@ -289,7 +289,7 @@ def allocator_peak(run: Callable[[], object]) -> Optional[int]:
     before (:func:`memory_saving_gradients.profiling.peak_memory_during`), or None where
     the allocator keeps no statistics (``run()`` still runs).  On CPU only buffers of
     256 KiB and more are counted (oneDNN's allocator)."""
-    from .. import profiling
+    from memory_saving_gradients import profiling
 
     try:
         return profiling.peak_memory_during(run)
@@ -476,12 +476,12 @@ def sizes_for(case: str, quick: bool) -> Dict[str, int]:
 def run_in_subprocess(case: str, variant: str, size: Dict[str, int], timeout: float = 600) -> Row:
     """:func:`run_case` in a fresh Python process; a crash, a timeout or an exception
     becomes the row's ``error``."""
-    cmd = [sys.executable, "-m", "memory_saving_gradients.bench.keras_suite", "--worker",
+    cmd = [sys.executable, "-m", "bench.keras_suite", "--worker",
            case, variant, json.dumps(size)]
     env = dict(os.environ)
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env.setdefault("KERAS_BACKEND", "tensorflow")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     start = time.time()
     try:
@@ -692,7 +692,7 @@ def main(argv: Optional[List[str]] = None, out: str = "bench_out", quick: bool =
     header = "\n".join([
         "# Keras suite",
         "",
-        f"- command: `{command or 'python -m memory_saving_gradients.benchmark --suite keras'}`",
+        f"- command: `{command or 'python -m bench --suite keras'}`",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}; wall time {wall:.0f} s",
         f"- TensorFlow {tf.__version__}, Python {platform.python_version()}, {os.cpu_count()} "
         f"CPUs; 1-min load average {load} at the end",
@@ -749,7 +749,7 @@ def _worker(argv: List[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         raise SystemExit(_worker(sys.argv[2:]))
-    p = argparse.ArgumentParser(prog="python -m memory_saving_gradients.bench.keras_suite")
+    p = argparse.ArgumentParser(prog="python -m bench.keras_suite")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--cases", default=",".join(CASES))

@@ -14,7 +14,7 @@ same run, never absolute seconds across runs.
 Checkpoints: ``'memory'`` where that strategy exists, else every
 ~sqrt(n)-th unit output.
 
-Run ``python -m memory_saving_gradients.scaling`` for a markdown table (the
+Run ``python -m bench.rewrite_time`` for a markdown table (the
 100k-op rows take several minutes each).
 """
 
@@ -27,10 +27,10 @@ import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from ._tensorflow import tf, tf_gradients
-from . import checkpointing
-from . import memo
-from . import strategies
+from memory_saving_gradients._tensorflow import tf, tf_gradients
+from memory_saving_gradients import checkpointing
+from memory_saving_gradients import memo
+from memory_saving_gradients import strategies
 
 logger = logging.getLogger("memory_saving_gradients")
 

@@ -4,7 +4,7 @@ Runs the Keras tests' own helpers (tests/test_keras_models.py, tests/test_tf_ker
 and prints the allocator peaks they compare, plus the tf_keras v1-graph nets with
 batch norm / dropout / neither::
 
-    PYTHONPATH=$PWD python benchmarks/keras_test_figures.py
+    PYTHONPATH=$PWD python tests/keras_figures.py
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 import memory_saving_gradients as msg  # noqa: E402
 from memory_saving_gradients import profiling  # noqa: E402
-from memory_saving_gradients.bench import keras_suite as suite  # noqa: E402
+from bench import keras_suite as suite  # noqa: E402
 
 MIB = 1 << 20
 
