@@ -104,11 +104,20 @@ def op_id(op: tf.Operation) -> int:
     return op._id
 
 
-def ops_by_id(graph: tf.Graph) -> dict | None:
-    """``Graph._nodes_by_id`` (creation id -> op, in creation order), or None where the
-    graph keeps no such dict (then :meth:`tf.Graph.get_operations` is the way)."""
+def last_op_id(graph: tf.Graph) -> int:
+    """Creation id of the newest op of ``graph`` (0 for an empty graph).
+
+    Where the graph keeps its ops in a dict by id (``Graph._nodes_by_id``, in
+    creation order: TensorFlow before 2.13's C++ graph) it is the dict's last
+    key; otherwise (TensorFlow 2.21: an unordered C++ map) it is the id of the
+    last op of :meth:`tf.Graph.get_operations`, which lists ops in creation
+    order.
+    """
     nodes = getattr(graph, "_nodes_by_id", None)
-    return nodes if isinstance(nodes, dict) else None
+    if isinstance(nodes, dict):
+        return next(reversed(nodes), 0)
+    ops = graph.get_operations()
+    return op_id(ops[-1]) if ops else 0
 
 
 def control_flow_context(op: tf.Operation):

@@ -34,13 +34,9 @@ def op_order(op: tf.Operation) -> int:
 
 
 def last_op_id(graph: tf.Graph) -> int:
-    """Creation id of the newest op of ``graph`` (0 for an empty graph), in O(1) where
-    TensorFlow keeps ops by id (else from :meth:`tf.Graph.get_operations`)."""
-    nodes = _tf_internals.ops_by_id(graph)
-    if nodes is not None:
-        return next(reversed(nodes), 0)
-    ops = graph.get_operations()
-    return op_order(ops[-1]) if ops else 0
+    """Creation id of the newest op of ``graph`` (0 for an empty graph): see
+    :func:`._tensorflow.last_op_id`."""
+    return _tf_internals.last_op_id(graph)
 
 
 def forwards_its_input(op: tf.Operation) -> bool:
