@@ -202,6 +202,15 @@ def checkpointed_gradient(
             None if g is None else tf.convert_to_tensor(g)
             for g in tf.nest.flatten(output_gradients)
         ]
+    results = _source_gradients(config, ys, grad_ys, flat_sources, recording, watched,
+                                unconnected_gradients)
+    return tf.nest.pack_sequence_as(sources, results)
+
+
+def _source_gradients(config: Config, ys: list, grad_ys, flat_sources: list,
+                      recording: _Recording, watched: set, unconnected_gradients) -> list:
+    """One gradient per source, by :func:`gradients` from ``ys`` on the recorded ops;
+    None (zeros with ``unconnected_gradients='zero'``) where the tape gives none."""
     connected, xs = _recorded_sources(flat_sources, recording, watched)
     results = [None] * len(flat_sources)
     if xs:
@@ -212,7 +221,7 @@ def checkpointed_gradient(
                 xs,
                 grad_ys,
                 checkpoints=config.checkpoints,
-                stop_gradients=_unrecorded_inputs(recording, graph, xs) or None,
+                stop_gradients=_unrecorded_inputs(recording, ys[0].graph, xs) or None,
                 unconnected_gradients=unconnected_gradients,
                 **options,
             )
@@ -222,7 +231,7 @@ def checkpointed_gradient(
         for i, s in enumerate(flat_sources):
             if results[i] is None:
                 results[i] = tf.zeros_like(s)
-    return tf.nest.pack_sequence_as(sources, results)
+    return results
 
 
 def _stays_plain(tape, config: Config) -> bool:
