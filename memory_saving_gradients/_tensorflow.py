@@ -78,18 +78,18 @@ def _check_version(version: str) -> None:
 _check_version(tf.__version__)
 
 # pylint: disable=wrong-import-position,protected-access
-from tensorflow.python.client import device_lib as _device_lib  # noqa: E402
-from tensorflow.python.eager import backprop as _backprop  # noqa: E402
-from tensorflow.python.eager import backprop_util as _backprop_util  # noqa: E402
-from tensorflow.python.framework import op_def_registry as _op_def_registry  # noqa: E402
-from tensorflow.python.framework import ops as _framework_ops  # noqa: E402
-from tensorflow.python.ops import control_flow_ops as _control_flow_ops  # noqa: E402
-from tensorflow.python.ops import control_flow_state as _control_flow_state  # noqa: E402
-from tensorflow.python.ops import control_flow_util as _control_flow_util  # noqa: E402
-from tensorflow.python.ops import default_gradient as _default_gradient  # noqa: E402
-from tensorflow.python.ops import gradients_impl as _gradients_impl  # noqa: E402
-from tensorflow.python.ops import gradients_util as _gradients_util  # noqa: E402
-from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops  # noqa: E402
+from tensorflow.python.client import device_lib as _device_lib
+from tensorflow.python.eager import backprop as _backprop
+from tensorflow.python.eager import backprop_util as _backprop_util
+from tensorflow.python.framework import op_def_registry as _op_def_registry
+from tensorflow.python.framework import ops as _framework_ops
+from tensorflow.python.ops import control_flow_ops as _control_flow_ops
+from tensorflow.python.ops import control_flow_state as _control_flow_state
+from tensorflow.python.ops import control_flow_util as _control_flow_util
+from tensorflow.python.ops import default_gradient as _default_gradient
+from tensorflow.python.ops import gradients_impl as _gradients_impl
+from tensorflow.python.ops import gradients_util as _gradients_util
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 #: TensorFlow's own ``tf.compat.v1.gradients``, captured before any patching.
 tf_gradients = _gradients_impl.gradients

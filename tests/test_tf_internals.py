@@ -20,10 +20,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import pytest
 import tensorflow as tf
+from gradient_values import control_flow_v1
 
 from memory_saving_gradients import _tensorflow as shim
 from memory_saving_gradients.notices import MemorySavingGradientsWarning
-from gradient_values import control_flow_v1
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIBRARY = ROOT / "memory_saving_gradients"
@@ -64,9 +64,9 @@ def test_tested_version_is_the_installed_one_and_the_pinned_one():
     assert shim.version_support(tf.__version__) == "tested", (
         f"TensorFlow {tf.__version__} is not the tested {shim.TESTED_TENSORFLOW}: if this "
         "run passes otherwise, update TESTED_TENSORFLOW and pyproject.toml's extras")
-    pins = re.findall(r'"tensorflow(?:-cpu)?\s*>=\s*([\d.]+)\s*,\s*<\s*([\d.]+)"',
+    pins = re.findall(r'"tensorflow(?:-cpu|\[and-cuda\])?\s*>=\s*([\d.]+)\s*,\s*<\s*([\d.]+)"',
                       (ROOT / "pyproject.toml").read_text())
-    assert pins, "pyproject.toml pins no TensorFlow range"
+    assert len(pins) >= 2, f"pyproject.toml pins no TensorFlow range for cpu and gpu: {pins}"
     major, minor = shim.TESTED_TENSORFLOW.split(".")
     for low, high in pins:
         assert low == shim.TESTED_TENSORFLOW and high == f"{major}.{int(minor) + 1}", pins
@@ -192,7 +192,9 @@ def test_gradient_rules_and_registry():
     assert shim.registered_gradient("Sin") is shim.gradient_function(y.op)
     assert shim.registered_gradient("Shape") is None and shim.registered_gradient("NoSuchOp") is None
     assert shim.gradient_override(y.op) is None
-    marker = lambda op, grad: grad  # noqa: E731
+    def marker(op, grad):
+        return grad
+
     shim.set_gradient_override(y.op, marker)
     assert shim.gradient_override(y.op) is marker and shim.gradient_function(y.op) is marker
     shim.set_gradient_override(y.op, None)
