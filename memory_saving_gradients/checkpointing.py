@@ -20,7 +20,7 @@ import numbers
 import warnings
 from typing import Sequence, Union
 
-from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
+from ._tensorflow import is_resource_variable as _is_resource_variable
 
 from ._tensorflow import onednn_enabled, tf, tf_gradients
 from . import batch as batch_lib
@@ -804,7 +804,7 @@ def _tensor_list(value, what: str) -> list:
         raise ValueError(f"{what} is empty: pass at least one tensor.")
     tensors = []
     for item in items:
-        if _resource_variable_ops.is_resource_variable(item):
+        if _is_resource_variable(item):
             item = tf.convert_to_tensor(item)
         if not isinstance(item, tf.Tensor):
             raise TypeError(
@@ -821,7 +821,7 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
         raise ValueError("xs is empty: pass at least one tensor or variable.")
     tensors = []
     for x in xs:
-        if _resource_variable_ops.is_resource_variable(x):  # as tf.gradients: its handle
+        if _is_resource_variable(x):  # as tf.gradients: its handle
             x = x.handle
             if not isinstance(x, tf.Tensor) or not hasattr(x, "graph") or x.graph is not graph:
                 x = tf.convert_to_tensor(x)  # captures an eager handle in a tf.function

@@ -27,18 +27,15 @@ import numpy as np
 
 from ._tensorflow import tf
 from . import graph as graph_lib
+from . import ops as op_types
 
-ALIAS_OP_TYPES = frozenset(
-    {
-        "Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
-        "ReadVariableOp", "Snapshot", "EnsureShape", "PreventGradient",
-    }
-)
+#: :data:`.ops.ALIASES`: outputs that share their input's buffer.
+ALIAS_OP_TYPES = op_types.ALIASES
 
 _END = float("inf")
 
-#: Op types whose output holds exactly the elements of their first input.
-_SAME_ELEMENTS_OP_TYPES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
+#: :data:`.ops.SAME_ELEMENTS`: outputs that hold exactly their first input's elements.
+_SAME_ELEMENTS_OP_TYPES = op_types.SAME_ELEMENTS
 
 
 def _dtype_size(tensor: tf.Tensor) -> int:
@@ -174,10 +171,8 @@ class Sizer:
         )
 
 
-CONVOLUTION_OP_TYPES = frozenset(
-    {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
-     "Conv3DBackpropInputV2"}
-)
+#: :data:`.ops.CONVOLUTIONS`.
+CONVOLUTION_OP_TYPES = op_types.CONVOLUTIONS
 
 
 def workspace_note(region, onednn: bool, gpu: bool) -> tuple:
