@@ -47,10 +47,8 @@ logger = logging.getLogger("bench")
 
 #: Traced steps measured per variant (after one warm-up).  The executor's inter-op
 #: threads order independent ops differently from run to run, and with them the
-#: peak (plain tf.gradients on the U-Net: 49.6-65.3 MB; its 'memory' step moved
-#: 27.4-35.1 MB until each recomputed op's gradients were gated together).  The
-#: least is the peak of the best order, the one plan() models; the most is
-#: reported beside it.
+#: peak (plain tf.gradients on the U-Net: 49.6-65.3 MB).  The least is the peak of
+#: the best order, the one plan() models; the most is reported beside it.
 PEAK_RUNS = 3
 #: A gradient check that fails is run again (both sides) up to this many times; the
 #: table notes each retry.  A wrong rewrite fails every time.

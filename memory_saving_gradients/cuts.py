@@ -196,8 +196,8 @@ def _outputs_gradients_read(op, position) -> set:
     """Refs of the outputs of ``op`` that its own gradient or a consumer's reads.
 
     A tensor whose shape is only known at run time is not counted as read for that
-    alone: doing so made every tensor of an unknown-batch graph "held", and its plans
-    peaked 39% above the known-batch graph's (transformer, batch 64, predicted);
+    alone: counting it makes every tensor of an unknown-batch graph "held", and its
+    plans peak 39% above the known-batch graph's (transformer, batch 64, predicted);
     the simulation, which has the last word, judges each plan either way."""
     read = {t.ref() for t in gradient_reads(op)[1]}
     for t in op.outputs:
