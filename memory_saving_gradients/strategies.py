@@ -212,11 +212,11 @@ FLOOR_PROBES = (1.1,)
 class Proposal(NamedTuple):
     """A plan proposed as checkpoints, and what simulating it found."""
 
-    peak: int            #: simulated peak bytes
-    model_work: float    #: recomputation as the dynamic program counts it (the simulated
-                         #: one for a plan the program did not propose)
-    tensors: list        #: the checkpoints
-    work: float          #: simulated recomputation
+    peak: int            # simulated peak bytes
+    model_work: float    # recomputation as the dynamic program counts it (the simulated
+                         # one for a plan the program did not propose)
+    tensors: list        # the checkpoints
+    work: float          # simulated recomputation
 
 
 class Floor(NamedTuple):
@@ -265,11 +265,12 @@ class _Proposals:
         solution = solution or budget_lib.least_recompute(problem, model_budget)
         if solution is None:
             return None
-        key = tuple(solution[0])
+        chosen_cuts, model_work = solution
+        key = tuple(chosen_cuts)
         if key not in self._simulated:
-            tensors = [t for i in solution[0] for t in self._recomputable[i - 1]]
+            tensors = [t for i in chosen_cuts for t in self._recomputable[i - 1]]
             predicted = self._predict(tensors)
-            self._simulated[key] = Proposal(predicted.peak_bytes, solution[1], tensors,
+            self._simulated[key] = Proposal(predicted.peak_bytes, model_work, tensors,
                                             predicted.recompute_work)
         return self._simulated[key]
 
