@@ -11,6 +11,8 @@ import sys
 import time
 from typing import List, Optional
 
+from memory_saving_gradients._units import MIB
+
 from . import core
 
 DEFAULT_VARIANTS = tuple(v for v in core.VARIANTS if v != "tf.function")
@@ -244,7 +246,7 @@ def _xla_results(args, specs, dump, steps) -> list:
         rows = xla_lib.measure_xla(spec, variants, dump=dump, steps=steps)
         for r in rows:
             print(f"  {r.model} {spec.size_label} {r.variant}: XLA temp "
-                  f"{r.temp_bytes / 2**20:.2f} MB, {r.step_seconds * 1e3:.1f} ms", flush=True)
+                  f"{r.temp_bytes / MIB:.2f} MB, {r.step_seconds * 1e3:.1f} ms", flush=True)
         results.extend(rows)
     return results
 

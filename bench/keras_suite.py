@@ -49,7 +49,8 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-MIB = 1 << 20
+from memory_saving_gradients._units import KIB, MIB
+
 
 #: case -> variants that apply to it
 CASES: Dict[str, Tuple[str, ...]] = {
@@ -62,14 +63,6 @@ CASES: Dict[str, Tuple[str, ...]] = {
 
 #: variant -> keras.RematScope mode
 REMAT_MODES = {"remat": "full", "remat_act": "activations"}
-
-CASE_HELP = {
-    "keras3_fit": "Keras 3 fit, tf.data .batch(B) (batch unknown), conv net with batch norm",
-    "tf_keras_fit": "tf_keras (Keras 2) fit, same conv net",
-    "custom_loop": "tf.function(input_signature batch None) with tf.GradientTape, Keras 3 model",
-    "gpt2_fit": "keras-hub GPT2CausalLM from config, random weights",
-    "bert_fit": "keras-hub BertTextClassifier from config, random weights",
-}
 
 VARIANT_HELP = {
     "plain": "no library",
@@ -273,7 +266,7 @@ class PeakRSS:
     def __exit__(self, *exc):
         if self._samples is None:
             with open("/proc/self/status") as f:
-                hwm = next(int(line.split()[1]) * 1024 for line in f
+                hwm = next(int(line.split()[1]) * KIB for line in f
                            if line.startswith("VmHWM:"))
             self.peak = hwm
         else:

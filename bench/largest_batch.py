@@ -19,7 +19,7 @@ import time
 from typing import Dict, List, Optional
 
 from . import core
-from .core import MB
+from memory_saving_gradients._units import MIB
 
 #: Model sizes (the default sweep's, batch left out; ResNet-56 stands for the depths).
 SIZES: Dict[str, dict] = {
@@ -96,7 +96,7 @@ def run(names: List[str], memory_mb: float, quick: bool = False) -> List[Row]:
     from .models import test_models_package
 
     tm = test_models_package()
-    memory = memory_mb * MB
+    memory = memory_mb * MIB
     rows: List[Row] = []
     for name in names:
         if name not in SIZES:
@@ -123,12 +123,12 @@ def run(names: List[str], memory_mb: float, quick: bool = False) -> List[Row]:
                     least, most = _measure(module, size, batch, checkpointed=not plain)
                 except Exception as caught:  # reported in the table, not fatal
                     error = core._first_line(caught)
-            rows.append(Row(name, label, memory_mb, variant, batch, predicted[plain] / MB,
-                            None if least is None else least / MB,
-                            None if most is None else most / MB,
+            rows.append(Row(name, label, memory_mb, variant, batch, predicted[plain] / MIB,
+                            None if least is None else least / MIB,
+                            None if most is None else most / MIB,
                             planned / 2 + time.time() - start, error))
             print(f"  {name} {variant:>12}: batch {batch}, "
-                  f"predicted {predicted[plain] / MB:.1f} MB, measured {'-' if least is None else f'{least / MB:.1f}-{most / MB:.1f}'} MB")
+                  f"predicted {predicted[plain] / MIB:.1f} MB, measured {'-' if least is None else f'{least / MIB:.1f}-{most / MIB:.1f}'} MB")
     return rows
 
 

@@ -46,10 +46,6 @@ class Curves:
     def same(self) -> bool:
         return len(self.baseline) == len(self.checkpointed) and self.max_rel_diff <= self.rtol
 
-    @property
-    def loss_fell(self) -> bool:
-        return len(self.baseline) > 1 and self.baseline[-1] < self.baseline[0]
-
 
 def _train(strategy, steps, learning_rate, size, seed) -> List[float]:
     import memory_saving_gradients as msg
