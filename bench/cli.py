@@ -106,10 +106,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def resolve_device(choice: str) -> str:
-    from memory_saving_gradients._tensorflow import tf
+    from memory_saving_gradients._tensorflow import gpu_visible
 
     if choice == "auto":
-        return "/GPU:0" if tf.config.list_physical_devices("GPU") else ""
+        return "/GPU:0" if gpu_visible() else ""
     if choice == "cpu":
         return "/CPU:0"
     if choice == "gpu":

@@ -19,12 +19,12 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
-from ._tensorflow import tf
+from ._tensorflow import gpu_visible, tf
 
 
 def default_device() -> str:
     """``'GPU:0'`` where TensorFlow sees a GPU, else ``'CPU:0'``."""
-    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    return "GPU:0" if gpu_visible() else "CPU:0"
 
 
 def peak_memory_during(run: Callable[[], object], device: str | None = None) -> int:
