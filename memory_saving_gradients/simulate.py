@@ -27,6 +27,7 @@ import numpy as np
 
 from ._tensorflow import tf
 from . import graph as graph_lib
+from . import schedule as schedule_lib
 
 ALIAS_OP_TYPES = frozenset(
     {
@@ -438,54 +439,82 @@ def predict_checkpointed(
     unknown_dim: int = 1,
     fetched: bool = True,
     sizer: Sizer | None = None,
+    stops: Sequence[tf.Tensor] = (),
+    schedule: schedule_lib.Schedule | None = None,
 ) -> Prediction:
-    """Predicted peak of :func:`checkpointing.gradients` with these checkpoints (see
-    :func:`predict_baseline` for ``fetched``; ``sizer`` shares sizes between predictions)."""
+    """Predicted peak of :func:`checkpointing.gradients` with these checkpoints and
+    ``stop_gradients=stops`` (see :func:`predict_baseline` for ``fetched``; ``sizer``
+    shares sizes between predictions; ``schedule``: their backward schedule, when
+    already worked out).  The backward pass takes the steps of
+    :func:`.schedule.backward_schedule`, as the rewrite does."""
     size = sizer or Sizer(unknown_dim)
     timeline, step = _forward_timeline(region, size)
     grads = _Gradients(timeline)
     xs_refs = {x.ref() for x in xs}
     memo = _backward_memo(size, region, xs_refs)
-    kept = graph_lib.boundary_tensors(region, ys, xs, checkpoints)
+    if schedule is None:
+        facts = size.per_region(region, ("schedule", frozenset(xs_refs)),
+                                lambda: schedule_lib.region_facts(region, xs))
+        schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops, facts)
     for y in ys:
         grads.add(y.ref(), size(y), step)
-    groups = graph_lib.backward_groups(region, kept, {t.op for t in kept.values() if t.op in region})
-    recompute_work = 0.0
-    recomputed = collections.Counter()
-    for index, (group, segment) in enumerate(groups):
-        if not any(t.ref() in kept and grads.has(t) for op in group for t in op.outputs):
-            continue
-        inside = set(segment.ops) if segment.recompute else set()
-
-        def rename(ref, inside=inside, index=index):
-            tensor = ref.deref()
-            return (index, ref) if tensor.op in inside else ref
-
-        if segment.recompute:
-            running = graph_lib.copies_that_run(
-                segment.ops, lambda t: t.op in region or t.ref() in xs_refs)
-            for seg_op in segment.ops:
-                if seg_op not in running:
-                    continue  # nothing reads this copy: grappler prunes it
-                step += 1
-                recompute_work += size.cost(seg_op)
-                recomputed[seg_op.type] += 1
-                for t in seg_op.inputs:
-                    timeline.use(rename(t.ref()), step)
-                for t in seg_op.outputs:
-                    key = (index, t.ref())
-                    if seg_op.type in ALIAS_OP_TYPES and seg_op.inputs:
-                        timeline.alias_of(key, rename(seg_op.inputs[0].ref()))
-                        if key not in timeline.alias:
-                            timeline.alloc(key, 0, step)
-                    else:
-                        timeline.alloc(key, size(t), step)
-        for seg_op in reversed(segment.ops):
-            step += 1
-            _backward_op(seg_op, step, timeline, grads, region, xs_refs, size, memo, rename)
+    replay = _Replay(timeline, grads, region, xs_refs, size, memo, step)
+    for backward_step in schedule.steps:
+        # as the rewrite: a step runs when a gradient reaches one of its targets, and
+        # builds nothing when none of its gradients reaches an x
+        if any(grads.has(t) for t in backward_step.targets) and backward_step.inputs:
+            replay.take(backward_step)
     grads.finish(fetched)
     forward_work = sum(size.cost(op) for op in region.order)
     return Prediction(
-        timeline.peak(step + 1), recompute_work, forward_work, size.assumptions(),
-        tuple(recomputed.most_common()),
+        timeline.peak(replay.step + 1), replay.recompute_work, forward_work, size.assumptions(),
+        tuple(replay.recomputed.most_common()),
     )
+
+
+class _Replay:
+    """The backward steps of a checkpointed pass on a timeline: recomputations and gradients."""
+
+    def __init__(self, timeline, grads, region, xs_refs, size, memo, step):
+        self.timeline, self.grads, self.region = timeline, grads, region
+        self.xs_refs, self.size, self.memo = xs_refs, size, memo
+        self.step = step  # the last step taken
+        self.recompute_work = 0.0
+        self.recomputed: collections.Counter = collections.Counter()
+
+    def take(self, backward_step) -> None:
+        """One step: its segment's recomputation, if recomputed, then its ops' gradients."""
+        segment, index = backward_step.segment, backward_step.index
+        recompute = backward_step.handling == schedule_lib.RECOMPUTED
+        inside = set(segment.ops) if recompute else set()
+
+        def rename(ref):
+            return (index, ref) if ref.deref().op in inside else ref
+
+        if recompute:
+            self._recompute(segment.ops, index, rename)
+        for op in reversed(segment.ops):
+            self.step += 1
+            _backward_op(op, self.step, self.timeline, self.grads, self.region, self.xs_refs,
+                         self.size, self.memo, rename)
+
+    def _recompute(self, ops, index, rename) -> None:
+        """The copies of ``ops`` that run (:func:`graph.copies_that_run`), in order."""
+        region, xs_refs, timeline = self.region, self.xs_refs, self.timeline
+        running = graph_lib.copies_that_run(ops, lambda t: t.op in region or t.ref() in xs_refs)
+        for op in ops:
+            if op not in running:
+                continue  # nothing reads this copy: grappler prunes it
+            self.step += 1
+            self.recompute_work += self.size.cost(op)
+            self.recomputed[op.type] += 1
+            for t in op.inputs:
+                timeline.use(rename(t.ref()), self.step)
+            for t in op.outputs:
+                key = (index, t.ref())
+                if op.type in ALIAS_OP_TYPES and op.inputs:
+                    timeline.alias_of(key, rename(op.inputs[0].ref()))
+                    if key not in timeline.alias:
+                        timeline.alloc(key, 0, self.step)
+                else:
+                    timeline.alloc(key, self.size(t), self.step)
