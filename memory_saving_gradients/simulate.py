@@ -42,13 +42,6 @@ _END = float("inf")
 _SAME_ELEMENTS_OP_TYPES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
 
 
-def _dtype_size(tensor: tf.Tensor) -> int:
-    try:
-        return tensor.dtype.size if tensor.dtype not in (tf.resource, tf.variant) else 0
-    except TypeError:  # strings
-        return 0
-
-
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """A predicted peak, in bytes, and what it assumed."""
@@ -87,11 +80,7 @@ class Sizer:
             if shape.rank is None or not shape.is_fully_defined():
                 if graph_lib.has_unknown_size(tensor):
                     self.assumed.add(tensor.name)
-                dims = self.shape(tensor)
-                size = (
-                    graph_lib.tensor_bytes(tensor) if dims is None
-                    else int(np.prod(dims, dtype=np.float64)) * _dtype_size(tensor)
-                )
+                size = graph_lib.tensor_bytes(tensor, dims=self.shape(tensor))
             else:
                 size = graph_lib.tensor_bytes(tensor)
             found = self._bytes[id(tensor)] = (tensor, size)
