@@ -352,12 +352,16 @@ class _Gradients:
             for key in self.pending.pop(ref, ()):
                 self.timeline.buffers[key][1] = step
 
-    def finish(self, keep: bool = True) -> None:
-        """Gradients never consumed (those of xs): fetched (kept to the end) or used at once."""
-        for keys in self.pending.values():
+    def finish(self, keep: bool = True, results=None) -> None:
+        """Gradients never consumed (those of xs): fetched (kept to the end) or used at once.
+
+        ``results``: refs of the tensors whose gradients are the results (all, if
+        None); the others (a ``stop_gradients`` tensor's) are read by nothing."""
+        for ref, keys in self.pending.items():
+            fetched = keep and (results is None or ref in results)
             for key in keys:
                 buffer = self.timeline.buffers[key]
-                buffer[1] = _END if keep else buffer[0]
+                buffer[1] = _END if fetched else buffer[0]
 
 
 def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=lambda k: k):
@@ -453,7 +457,7 @@ def predict_checkpointed(
         # builds nothing when none of its gradients reaches an x
         if any(grads.has(t) for t in backward_step.targets) and backward_step.inputs:
             replay.take(backward_step)
-    grads.finish(fetched)
+    grads.finish(fetched, xs_refs)
     forward_work = sum(size.cost(op) for op in region.order)
     return Prediction(
         timeline.peak(replay.step + 1), replay.recompute_work, forward_work, size.assumptions(),
