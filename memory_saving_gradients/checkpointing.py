@@ -599,11 +599,11 @@ def _guarded(backprop):
 @_guarded
 def _backprop(request: _Request) -> list:
     """The gradients of ``request``: the steps of its backward schedule, built in order."""
-    plan = schedule_lib.backward_schedule(
+    schedule = schedule_lib.backward_schedule(
         request.region, request.ys, request.xs, request.checkpoints, request.stops)
-    reporting.scheduled(plan)
-    backward = _BackwardPass(request, plan)
-    for step in plan.steps:
+    reporting.scheduled(schedule)
+    backward = _BackwardPass(request, schedule)
+    for step in schedule.steps:
         backward.take(step)
     return backward.results()
 
@@ -664,10 +664,10 @@ class _BackwardPass:
     (:class:`_ReadersOfPendingGradients`).
     """
 
-    def __init__(self, request: _Request, plan: schedule_lib.Schedule):
+    def __init__(self, request: _Request, schedule: schedule_lib.Schedule):
         self._request = request
         self._options = request.options
-        self._plan = plan
+        self._schedule = schedule
         self._sums = _Contributions(request.options)
         self._x_keys = {x.ref() for x in request.xs}
         self._differentiated: set = set()  # the ops of the groups differentiated
@@ -781,7 +781,7 @@ class _BackwardPass:
 
     def _collect(self, inputs, input_grads) -> None:
         """Adds the gradients of kept inputs through which a gradient reaches an x."""
-        kept, carriers = self._plan.kept, self._plan.carriers
+        kept, carriers = self._schedule.kept, self._schedule.carriers
         for t, g in zip(inputs, input_grads):
             if g is not None and t.ref() in kept and t.ref() in carriers:
                 self._sums.add(t, g, still_read=t.ref() not in self._x_keys)
