@@ -2,12 +2,13 @@
 
 Data flows one way: arguments are checked, the forward region between
 ``xs`` and ``ys`` is found (:mod:`.graph`), checkpoints are chosen (a list or
-a strategy from :mod:`.strategies`), and the backward pass is built segment
-by segment: each kept tensor, in reverse topological order, has the ops
-between it and the earlier kept tensors copied (:mod:`.rewrite`) and
-differentiated with TensorFlow's own ``gradients``, after the gradient
-flowing into it is complete.  Copies wait (control inputs) for that
-gradient, so recomputation happens just before it is needed.
+a strategy from :mod:`.strategies`), and the backward pass is built step
+by step, in the order of :func:`.schedule.backward_schedule` (the one the
+memory model replays): each step has the ops between its kept tensors and the
+earlier kept tensors copied (:mod:`.rewrite`) and differentiated with
+TensorFlow's own ``gradients``, after the gradient flowing into it is
+complete.  Copies wait (control inputs) for that gradient, so recomputation
+happens just before it is needed.
 """
 
 from __future__ import annotations

@@ -116,3 +116,19 @@ def test_benchmark_models_plan_the_schedule_gradients_builds(name, strategy):
         model = test_models.build(name, add_to_collection=True, **MODELS[name])
         built = _assert_same_schedule(model.loss, model.params or model.inputs, strategy)
     assert {step.handling for step in built.steps} & {schedule.RECOMPUTED}
+
+
+@pytest.mark.parametrize("bad", [[], [1.5], "x"])
+def test_plan_rejects_stop_gradients_as_gradients_does(bad):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [SIZE], name="x")
+        h, units = _tanh_chain(x, 4)
+        loss = tf.reduce_sum(h)
+        errors = []
+        for call in (msg.plan, msg.gradients):
+            with pytest.raises((TypeError, ValueError)) as caught:
+                call(loss, x, checkpoints=units[1:2], stop_gradients=bad)
+            errors.append((type(caught.value), str(caught.value)))
+    assert errors[0] == errors[1]
+    assert "stop_gradients" in errors[0][1]
