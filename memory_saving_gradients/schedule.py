@@ -26,6 +26,9 @@ gradient is known only while the pass runs (a step without any is skipped).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
+import weakref
 from typing import Sequence
 
 from ._tensorflow import tf
@@ -51,8 +54,6 @@ class Step:
       targets: the kept outputs of its members; those with a gradient when the step
         runs are differentiated.
       inputs: the tensors it computes gradients for (empty: it computes none).
-      trainable_inputs: for ``RECOMPUTED``, the segment's inputs that carry a gradient
-        (the copies read them through proxies); else the same as ``inputs``.
     """
 
     index: int
@@ -62,7 +63,15 @@ class Step:
     handling: str
     targets: tuple
     inputs: tuple
-    trainable_inputs: tuple
+
+    @functools.cached_property
+    def trainable_inputs(self) -> tuple:
+        """For ``RECOMPUTED``, the segment's inputs that carry a gradient (the copies
+        read them through proxies); else ``inputs``."""
+        if self.handling != RECOMPUTED:
+            return self.inputs
+        # variants too: a loop hands its TensorArrays/TensorLists out through them
+        return tuple(t for t in self.segment.inputs if graph_lib.carries_gradient(t))
 
     @property
     def op(self) -> tf.Operation:
@@ -90,13 +99,26 @@ class RegionFacts:
     carriers: frozenset
 
 
+_facts_lock = threading.Lock()
+_facts: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # region -> {xs: facts}
+
+
 def region_facts(region: graph_lib.ForwardRegion, xs: Sequence[tf.Tensor]) -> RegionFacts:
-    """The :class:`RegionFacts` of ``region`` and ``xs`` (linear in the region)."""
-    return RegionFacts(
-        constructs=graph_lib.control_flow_constructs(region),
-        carriers=graph_lib.gradient_carriers(
-            region, xs, rewrite.blocks_gradients, rewrite.is_trainable),
-    )
+    """The :class:`RegionFacts` of ``region`` and ``xs`` (linear in the region), worked
+    out once per region object: the strategy, the plan and the rewrite of one call
+    share them."""
+    key = tuple(x.ref() for x in xs)
+    with _facts_lock:
+        found = _facts.get(region, {}).get(key)
+    if found is None:
+        found = RegionFacts(
+            constructs=graph_lib.control_flow_constructs(region),
+            carriers=graph_lib.gradient_carriers(
+                region, xs, rewrite.blocks_gradients, rewrite.is_trainable),
+        )
+        with _facts_lock:
+            _facts.setdefault(region, {})[key] = found
+    return found
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,11 +182,8 @@ def _step(index: int, group: tuple, segment, kept: dict, facts: RegionFacts) -> 
         segment = graph_lib.construct_segment(members, targets, kept)
     carried = tuple(t for t in segment.inputs if t.ref() in facts.carriers)
     if segment.recompute:
-        # variants too: a loop hands its TensorArrays/TensorLists out through them
-        trainable = tuple(t for t in segment.inputs if graph_lib.carries_gradient(t))
-        inputs = tuple(t for t in trainable if t.ref() in facts.carriers)
-        return Step(index, group, members, segment, RECOMPUTED, targets, inputs, trainable)
+        inputs = tuple(t for t in carried if graph_lib.carries_gradient(t))
+        return Step(index, group, members, segment, RECOMPUTED, targets, inputs)
     if graph_lib.is_differentiable_in_place(op):
-        inputs = tuple(op.inputs)
-        return Step(index, group, members, segment, IN_PLACE, targets, inputs, inputs)
-    return Step(index, group, members, segment, WHOLE, targets, carried, carried)
+        return Step(index, group, members, segment, IN_PLACE, targets, tuple(op.inputs))
+    return Step(index, group, members, segment, WHOLE, targets, carried)

@@ -446,9 +446,7 @@ def predict_checkpointed(
     xs_refs = {x.ref() for x in xs}
     memo = _backward_memo(size, region, xs_refs)
     if schedule is None:
-        facts = size.per_region(region, ("schedule", frozenset(xs_refs)),
-                                lambda: schedule_lib.region_facts(region, xs))
-        schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops, facts)
+        schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops)
     for y in ys:
         grads.add(y.ref(), size(y), step)
     replay = _Replay(timeline, grads, region, xs_refs, size, memo, step)
