@@ -369,6 +369,14 @@ class Prepared:
         self.result.median_step_cpu_seconds = statistics.median(self.cpu_times)
         return elapsed
 
+    def traced_step(self):
+        """Run one fully traced step (not recorded as a timed step); its RunMetadata and seconds."""
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        metadata = tf.compat.v1.RunMetadata()
+        start = time.perf_counter()
+        self._session.run(self._fetches, self._feed, options=options, run_metadata=metadata)
+        return metadata, time.perf_counter() - start
+
     def close(self) -> None:
         if self._session is not None:
             self._session.close()

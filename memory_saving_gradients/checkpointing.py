@@ -21,7 +21,7 @@ import numbers
 import warnings
 from typing import Sequence, Union
 
-from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
+from ._tensorflow import is_resource_variable as _is_resource_variable
 
 from ._tensorflow import onednn_enabled, tf, tf_gradients
 from . import batch as batch_lib
@@ -221,9 +221,19 @@ def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=()) 
 
     key = _memo_key(checkpoints, memory_budget, _planning_dim(batch_size, unknown),
                     problem.region, problem.ys, problem.xs)
-    if key is None or stops:  # the figures remembered are those without stop_gradients
+    if key is None:
         return make()
-    return memo.remembered_plan(key, chosen, make, schedule)
+    return memo.remembered_plan(key + _stops_key(stops, problem.region), chosen, make, schedule)
+
+
+def _stops_key(stops, region) -> tuple:
+    """What of ``stop_gradients`` a plan's figures depend on: the places in the region
+    of the stops it produces (those outside it change no step); ``()`` for none."""
+    inside = [t for t in stops if t.op in region]
+    if not inside:
+        return ()
+    position = {op: i for i, op in enumerate(region.order)}
+    return (tuple(sorted({(position[t.op], t.value_index) for t in inside})),)
 
 
 def _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown) -> tuple:
@@ -888,7 +898,7 @@ def _tensor_list(value, what: str) -> list:
         raise ValueError(f"{what} is empty: pass at least one tensor.")
     tensors = []
     for item in items:
-        if _resource_variable_ops.is_resource_variable(item):
+        if _is_resource_variable(item):
             item = tf.convert_to_tensor(item)
         if not isinstance(item, tf.Tensor):
             raise TypeError(
@@ -905,7 +915,7 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
         raise ValueError("xs is empty: pass at least one tensor or variable.")
     tensors = []
     for x in xs:
-        if _resource_variable_ops.is_resource_variable(x):  # as tf.gradients: its handle
+        if _is_resource_variable(x):  # as tf.gradients: its handle
             x = x.handle
             if not isinstance(x, tf.Tensor) or not hasattr(x, "graph") or x.graph is not graph:
                 x = tf.convert_to_tensor(x)  # captures an eager handle in a tf.function

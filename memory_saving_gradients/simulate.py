@@ -27,19 +27,16 @@ import numpy as np
 
 from ._tensorflow import tf
 from . import graph as graph_lib
+from . import ops as op_types
 from . import schedule as schedule_lib
 
-ALIAS_OP_TYPES = frozenset(
-    {
-        "Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
-        "ReadVariableOp", "Snapshot", "EnsureShape", "PreventGradient",
-    }
-)
+#: :data:`.ops.ALIASES`: outputs that share their input's buffer.
+ALIAS_OP_TYPES = op_types.ALIASES
 
 _END = float("inf")
 
-#: Op types whose output holds exactly the elements of their first input.
-_SAME_ELEMENTS_OP_TYPES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
+#: :data:`.ops.SAME_ELEMENTS`: outputs that hold exactly their first input's elements.
+_SAME_ELEMENTS_OP_TYPES = op_types.SAME_ELEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +161,8 @@ class Sizer:
         )
 
 
-CONVOLUTION_OP_TYPES = frozenset(
-    {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
-     "Conv3DBackpropInputV2"}
-)
+#: :data:`.ops.CONVOLUTIONS`.
+CONVOLUTION_OP_TYPES = op_types.CONVOLUTIONS
 
 
 def workspace_note(region, onednn: bool, gpu: bool) -> tuple:

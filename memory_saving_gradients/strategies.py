@@ -17,6 +17,7 @@ from . import batch as batch_lib
 from . import budget as budget_lib
 from . import cuts as cuts_lib
 from . import graph as graph_lib
+from . import ops as op_types
 from . import simulate
 from .graph import ForwardRegion
 
@@ -61,14 +62,8 @@ def collection(
     return [t for t in graph.get_collection(COLLECTION_NAME) if isinstance(t, tf.Tensor)]
 
 
-# Op types whose outputs 'speed' keeps: the expensive ones to recompute.
-EXPENSIVE_OP_TYPES = frozenset(
-    {
-        "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
-        "Conv3DBackpropInputV2", "_FusedConv2D", "MatMul", "_FusedMatMul",
-        "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
-    }
-)
+#: Op types whose outputs 'speed' keeps: :data:`.ops.EXPENSIVE`.
+EXPENSIVE_OP_TYPES = op_types.EXPENSIVE
 
 
 @register("speed")
