@@ -660,13 +660,14 @@ def construct_segment(
     )
 
 
-def tensor_bytes(tensor: tf.Tensor, unknown_dim: int = 1) -> int:
-    """Static size of a tensor in bytes; unknown dims count as ``unknown_dim``."""
+def tensor_bytes(tensor: tf.Tensor, unknown_dim: int = 1, dims: Sequence | None = None) -> int:
+    """Static size of a tensor in bytes; unknown dims count as ``unknown_dim``, or
+    ``dims`` (its dimensions, unknown ones estimated) gives them all."""
     shape = tensor.shape
-    if shape.rank is None:
+    if shape.rank is None and dims is None:
         return tensor.dtype.size if tensor.dtype != tf.resource else 0
     count = 1
-    for dim in shape.as_list():
+    for dim in shape.as_list() if dims is None else dims:
         count *= unknown_dim if dim is None else dim
     try:
         return count * tensor.dtype.size
