@@ -23,7 +23,7 @@ from typing import Sequence, Union
 
 from ._tensorflow import is_resource_variable as _is_resource_variable
 
-from ._tensorflow import onednn_enabled, tf, tf_gradients
+from ._tensorflow import gpu_visible, onednn_enabled, tf, tf_gradients
 from . import batch as batch_lib
 from . import graph as graph_lib
 from . import guard
@@ -215,7 +215,7 @@ def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=()) 
     def make():
         return planning.make_plan(
             problem.ys, problem.xs, problem.region, chosen, strategy,
-            _unknown_dim(batch_size), onednn_enabled(), _gpu_visible(),
+            _unknown_dim(batch_size), onednn_enabled(), gpu_visible(),
             batch_known=not unknown, batch_note=batch_note, stops=stops, schedule=schedule,
         )
 
@@ -324,10 +324,6 @@ def _check_option_values(checkpoints, memory_budget, batch_size) -> None:
             )
 
 
-def _gpu_visible() -> bool:
-    return bool(tf.config.list_physical_devices("GPU"))
-
-
 _warned_workspaces = False
 
 
@@ -337,7 +333,7 @@ def _warn_unmodelled_workspaces(region) -> None:
     global _warned_workspaces
     if _warned_workspaces:
         return
-    note = simulate.workspace_note(region, onednn_enabled(), _gpu_visible())
+    note = simulate.workspace_note(region, onednn_enabled(), gpu_visible())
     if note:
         _warned_workspaces = True
         logger.warning("%s.", note[0])

@@ -232,6 +232,17 @@ def carries_gradient(tensor: tf.Tensor) -> bool:
     return _tf_internals.is_trainable(tensor)
 
 
+
+def blocks_gradients(op: tf.Operation) -> bool:
+    """Whether ``op``'s registered gradient is None (``tf.no_gradient``: StopGradient,
+    Shape, ...): no gradient flows from its outputs to its inputs.  An op with no
+    gradient registered at all does not count (``tf.gradients`` raises on it)."""
+    try:
+        return _tf_internals.gradient_function(op) is None
+    except LookupError:
+        return False
+
+
 def reached_by_tf_gradients(xs: Sequence[tf.Tensor], region=None) -> set:
     """The ops ``tf.gradients``' walk reaches from the ops of ``xs``: it follows the
     tensors that carry gradients (:func:`carries_gradient`) to their consumers (those

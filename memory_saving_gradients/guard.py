@@ -259,10 +259,10 @@ class _Walk:
                 if op in ops or op not in self.between or op in self.stop_gradient_ops:
                     continue
                 ops[op] = None
-                if rewrite.blocks_gradients(op):
+                if graph_lib.blocks_gradients(op):
                     continue
                 for t in op.outputs:
-                    if rewrite.is_trainable(t) and t.ref() not in live:
+                    if graph_lib.carries_gradient(t) and t.ref() not in live:
                         live.add(t.ref())
                         stack.append(t)
         return list(ops)
@@ -281,7 +281,7 @@ class _Walk:
                 if op in differing and (found is None or
                                         graph_lib.op_order(op) > graph_lib.op_order(found)):
                     found = op
-                stack.extend(t for t in op.outputs if rewrite.is_trainable(t))
+                stack.extend(t for t in op.outputs if graph_lib.carries_gradient(t))
         return found
 
     def x_kind(self, x: tf.Tensor, zero: bool) -> str:
@@ -296,7 +296,7 @@ class _Walk:
 
 def _zero_filled(t: tf.Tensor) -> bool:
     """Whether ``tf.gradients`` passes zeros for output ``t`` when no gradient reaches it."""
-    return rewrite.is_trainable(t) and _tf_internals.supports_default_grad(t)
+    return graph_lib.carries_gradient(t) and _tf_internals.supports_default_grad(t)
 
 
 def _in_v1_control_flow(op: tf.Operation) -> bool:
@@ -318,7 +318,7 @@ def _static_input_kinds(op: tf.Operation, outputs: tuple) -> tuple:
     gathers = {_tf_internals.registered_gradient(t) for t in op_types.GATHERS} - {None}
     kinds = []
     for i, t in enumerate(op.inputs):
-        if not rewrite.is_trainable(t):
+        if not graph_lib.carries_gradient(t):
             kinds.append("none")
         elif function in passes:
             kinds.append(outputs[i] if len(outputs) == len(op.inputs) else outputs[0])

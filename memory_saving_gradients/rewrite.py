@@ -266,21 +266,6 @@ def _unique_ops(ops: Iterable[tf.Operation]) -> list:
     return unique
 
 
-def is_trainable(t: tf.Tensor) -> bool:
-    """Whether ``tf.gradients`` lets gradients flow through ``t``: :func:`graph.carries_gradient`."""
-    return graph_lib.carries_gradient(t)
-
-
-def blocks_gradients(op: tf.Operation) -> bool:
-    """Whether ``op``'s registered gradient is None (``tf.no_gradient``: StopGradient,
-    Shape, ...): no gradient flows from its outputs to its inputs.  An op with no
-    gradient registered at all does not count (``tf.gradients`` raises on it)."""
-    try:
-        return _tf_internals.gradient_function(op) is None
-    except LookupError:
-        return False
-
-
 def unused_output_gradient(t: tf.Tensor):
     """What ``tf.gradients`` gives for output ``t`` of an op it differentiates, when no
     gradient reaches ``t``: zeros if ``t`` is trainable and the op has a gradient, else None."""

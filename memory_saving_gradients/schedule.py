@@ -33,7 +33,6 @@ from typing import Sequence
 
 from ._tensorflow import tf
 from . import graph as graph_lib
-from . import rewrite
 
 RECOMPUTED = "recomputed"
 IN_PLACE = "in place"
@@ -114,7 +113,7 @@ def region_facts(region: graph_lib.ForwardRegion, xs: Sequence[tf.Tensor]) -> Re
         found = RegionFacts(
             constructs=graph_lib.control_flow_constructs(region),
             carriers=graph_lib.gradient_carriers(
-                region, xs, rewrite.blocks_gradients, rewrite.is_trainable),
+                region, xs, graph_lib.blocks_gradients, graph_lib.carries_gradient),
         )
         with _facts_lock:
             _facts.setdefault(region, {})[key] = found
