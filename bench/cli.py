@@ -131,6 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         dump = xla_lib.XlaDump()  # before anything in this process compiles with XLA
     from memory_saving_gradients._tensorflow import tf
+
     from . import fits as fits_lib
     from . import models, report, sweep, training
 
@@ -229,9 +230,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _xla_results(args, specs, dump, steps) -> list:
-    from . import xla as xla_lib
-
     import memory_saving_gradients as msg
+
+    from . import xla as xla_lib
 
     variants = _csv(args.xla_variants) if args.xla_variants else list(xla_lib.XLA_VARIANTS)
     unknown = [v for v in variants
@@ -359,7 +360,8 @@ def _header(args, argv, device, wall, load_before, tf) -> str:
         f"1-min load average {load_before} at start, {_load()} at end",
         f"- peaks: measured from the allocator records of traced steps, the least and the most "
         f"of {core.PEAK_RUNS} (after one warm-up; the executor's op order moves the peak), "
-        f"default ConfigProto, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'unset')}; times: median of untraced steps, variants interleaved; ratios only "
+        f"default ConfigProto, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'unset')}; "
+        "times: median of untraced steps, variants interleaved; ratios only "
         "between variants measured together in this run",
         "",
     ])

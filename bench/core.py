@@ -39,8 +39,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from memory_saving_gradients._tensorflow import tf, tf_gradients
 from memory_saving_gradients import profiling
+from memory_saving_gradients._tensorflow import tf, tf_gradients
 from memory_saving_gradients._units import MIB
 
 logger = logging.getLogger("bench")

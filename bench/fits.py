@@ -13,8 +13,9 @@ import dataclasses
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import core
 from memory_saving_gradients._units import MIB
+
+from . import core
 
 
 @dataclasses.dataclass

@@ -51,7 +51,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from memory_saving_gradients._units import KIB, MIB
 
-
 #: case -> variants that apply to it
 CASES: Dict[str, Tuple[str, ...]] = {
     "keras3_fit": ("plain", "patched", "enable", "remat", "remat_act"),
@@ -694,7 +693,8 @@ def main(argv: Optional[List[str]] = None, out: str = "bench_out", quick: bool =
         "the resident set before them; allocator peak: TensorFlow's CPU allocator, peak bytes "
         "of the timed steps beyond those in use before them; step s: median wall time of a "
         "timed step (noisy on shared cores); CPU s/step: the process's CPU time (all threads) "
-        "over the timed steps / steps, less sensitive to other processes on the cores; losses equal: Keras' running loss after "
+        "over the timed steps / steps, less sensitive to other processes on the cores; "
+        "losses equal: Keras' running loss after "
         f"every batch within rtol {LOSS_RTOL:g} of plain's",
         "- sizes: " + "; ".join(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items())
                                 for k, v in (QUICK_SIZES if quick else SIZES).items()),
@@ -733,7 +733,7 @@ def _worker(argv: List[str]) -> int:
     case, variant, size = argv[0], argv[1], json.loads(argv[2])
     try:
         result = run_case(case, variant, size)
-    except Exception as error:  # noqa: BLE001 - every failure is a row of the table
+    except Exception as error:
         result = {"error": describe_error(error)}
     print(_MARK + json.dumps(result), flush=True)
     return 0

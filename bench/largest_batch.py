@@ -18,8 +18,9 @@ import os
 import time
 from typing import Dict, List, Optional
 
-from . import core
 from memory_saving_gradients._units import MIB
+
+from . import core
 
 #: Model sizes (the default sweep's, batch left out; ResNet-56 stands for the depths).
 SIZES: Dict[str, dict] = {
@@ -72,8 +73,8 @@ def _graph(module, size: dict, batch: int):
 def _measure(module, size: dict, batch: int, checkpointed: bool) -> tuple:
     """(least, most) measured peak bytes of the step at ``batch``."""
     import memory_saving_gradients as msg
-    from memory_saving_gradients._tensorflow import tf
     from memory_saving_gradients import profiling
+    from memory_saving_gradients._tensorflow import tf
 
     with tf.Graph().as_default():
         loss, xs, feed = _graph(module, size, batch)
@@ -93,6 +94,7 @@ def _measure(module, size: dict, batch: int, checkpointed: bool) -> tuple:
 def run(names: List[str], memory_mb: float, quick: bool = False) -> List[Row]:
     import memory_saving_gradients as msg
     from memory_saving_gradients._tensorflow import tf
+
     from .models import test_models_package
 
     tm = test_models_package()
@@ -127,8 +129,9 @@ def run(names: List[str], memory_mb: float, quick: bool = False) -> List[Row]:
                             None if least is None else least / MIB,
                             None if most is None else most / MIB,
                             planned / 2 + time.time() - start, error))
+            measured = "-" if least is None else f"{least / MIB:.1f}-{most / MIB:.1f}"
             print(f"  {name} {variant:>12}: batch {batch}, "
-                  f"predicted {predicted[plain] / MIB:.1f} MB, measured {'-' if least is None else f'{least / MIB:.1f}-{most / MIB:.1f}'} MB")
+                  f"predicted {predicted[plain] / MIB:.1f} MB, measured {measured} MB")
     return rows
 
 

@@ -32,7 +32,8 @@ COLUMNS = [
 
 HEADERS = {
     "model": "model", "size": "size", "batch": "batch", "variant": "variant",
-    "peak_mb": "peak MB (least of 3 runs)", "peak_max_mb": "most of 3", "peak_ratio": "peak / tf.gradients", "step_s": "step s (median)",
+    "peak_mb": "peak MB (least of 3 runs)", "peak_max_mb": "most of 3", "peak_ratio": "peak / tf.gradients",
+    "step_s": "step s (median)",
     "time_ratio": "time / tf.gradients", "cpu_ratio": "CPU time / tf.gradients",
     "rewrite_s": "rewrite s",
     "predicted_peak_mb": "plan() predicted MB", "grads_equal": "grads equal", "note": "note",

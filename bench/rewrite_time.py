@@ -26,9 +26,8 @@ import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from memory_saving_gradients import checkpointing, memo
 from memory_saving_gradients._tensorflow import tf, tf_gradients
-from memory_saving_gradients import checkpointing
-from memory_saving_gradients import memo
 
 from .models import test_models_package
 
@@ -98,24 +97,28 @@ def _timed(fn: Callable) -> float:
     return time.process_time() - start
 
 
+def _time_in_fresh_graph(build, value: int, choose) -> tuple:
+    """Build the model in a graph of its own and time one gradients call on it:
+    ``tf.gradients`` when ``choose`` is None, else ``gradients()`` with ``choose(units)``.
+    Returns (forward ops, seconds, ops the call added, how the checkpoints were chosen)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, units = build(value)
+        ops = len(graph.get_operations())
+        if choose is None:
+            seconds, how = _timed(lambda: tf_gradients(loss, xs)), None
+        else:
+            checkpoints, how = choose(units)
+            seconds = _timed(lambda: checkpointing.gradients(loss, xs, checkpoints=checkpoints))
+        return ops, seconds, len(graph.get_operations()) - ops, how
+
+
 def time_one(model: str, value: int, builders=None) -> dict:
     """Times for one model size: tf.gradients and gradients() on fresh copies of the graph."""
     builders = builders or _builders()
     key, _, build = builders[model]
-    graph = tf.Graph()
-    with graph.as_default():
-        loss, xs, _ = build(value)
-        ops = len(graph.get_operations())
-        tf_seconds = _timed(lambda: tf_gradients(loss, xs))
-        tf_added = len(graph.get_operations()) - ops
-    del graph, loss, xs
-    graph = tf.Graph()
-    with graph.as_default():
-        loss, xs, units = build(value)
-        checkpoints, how = _checkpoints_for(units)
-        ours_seconds = _timed(lambda: checkpointing.gradients(loss, xs, checkpoints=checkpoints))
-        ours_added = len(graph.get_operations()) - ops
-    del graph, loss, xs, units
+    ops, tf_seconds, tf_added, _ = _time_in_fresh_graph(build, value, None)
+    _, ours_seconds, ours_added, how = _time_in_fresh_graph(build, value, _checkpoints_for)
     gc.collect()
     return dict(model=model, size_key=key, size=value, ops=ops, checkpoints=how,
                 tf_seconds=tf_seconds, ours_seconds=ours_seconds,

@@ -14,6 +14,7 @@ from typing import List
 import numpy as np
 
 from memory_saving_gradients._tensorflow import tf, tf_gradients
+
 from .models import test_models_package
 
 DEFAULT_SIZE = dict(layers=4, d_model=64, heads=4, seq_len=32, batch=4, vocab=512, dropout=0.0)

@@ -77,7 +77,7 @@ def _check_version(version: str) -> None:
 
 _check_version(tf.__version__)
 
-# pylint: disable=wrong-import-position,protected-access
+# The private modules this shim stands between the library and (ruff: E402 allowed here).
 from tensorflow.python.client import device_lib as _device_lib
 from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.eager import backprop_util as _backprop_util

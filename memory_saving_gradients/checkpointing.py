@@ -21,22 +21,13 @@ import numbers
 import warnings
 from typing import Sequence, Union
 
-from ._tensorflow import is_resource_variable as _is_resource_variable
-
-from ._tensorflow import gpu_visible, onednn_enabled, tf, tf_gradients
 from . import batch as batch_lib
 from . import graph as graph_lib
-from . import guard
-from . import memo
-from ._nesting import Nesting
-from . import notices
-from . import planning
-from . import recovery
-from . import reporting
-from . import rewrite
+from . import guard, memo, notices, planning, recovery, reporting, rewrite, simulate, strategies
 from . import schedule as schedule_lib
-from . import simulate
-from . import strategies
+from ._nesting import Nesting
+from ._tensorflow import gpu_visible, onednn_enabled, tf, tf_gradients
+from ._tensorflow import is_resource_variable as _is_resource_variable
 
 logger = logging.getLogger("memory_saving_gradients")
 

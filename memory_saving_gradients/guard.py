@@ -65,19 +65,19 @@ def guarded_gradients(
     with rewrite.observed_gradient_calls(graph) as calls:
         try:
             results = build()
-        except Exception as error:  # noqa: BLE001 - judged below
+        except Exception as error:
             failure = error
     if failure is not None:
         try:
             plain = fallback()
-        except Exception:  # noqa: BLE001 - tf.gradients fails too: the user's error
-            raise failure  # pylint: disable=raise-missing-from
+        except Exception:
+            raise failure from None
         _warn(f"the rewrite raised {type(failure).__name__}: {str(failure)[:300]}"
               f"{_raised_at(failure)}")
         return plain
     try:
         difference = find_difference(ys, xs, grad_ys, stops, unconnected, results, calls.calls)
-    except Exception as error:  # noqa: BLE001 - a guard that fails must not let results out
+    except Exception as error:
         difference = f"the check itself failed ({type(error).__name__}: {error})"
     if difference is None:
         return results

@@ -31,11 +31,9 @@ import sys
 import warnings
 
 from . import _tensorflow as _tf_internals
-from ._tensorflow import tf  # noqa: F401  (TensorFlow before Keras)
-from . import notices
-from . import reporting
+from . import notices, reporting, tape_hooks
 from . import tape as tape_lib
-from . import tape_hooks
+from ._tensorflow import tf
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -142,7 +140,7 @@ def _model_kind(model) -> str:
     keras = sys.modules.get("keras")
     if keras is None:
         try:
-            import keras  # noqa: F811
+            import keras
         except ImportError:  # pragma: no cover
             keras = None
     if keras is not None and getattr(keras, "__version__", "").startswith("3."):

@@ -35,10 +35,9 @@ import threading
 from typing import Iterator
 
 from . import _tensorflow as _tf_internals
-from ._tensorflow import tf
-from . import reporting
+from . import reporting, tape_hooks
 from . import tape as tape_lib
-from . import tape_hooks
+from ._tensorflow import tf
 from .checkpointing import check_arguments
 from .checkpointing import gradients as _checkpointed_gradients
 
@@ -87,7 +86,7 @@ def gradient_slots() -> list:
             continue
         try:
             value = module.__dict__.get("gradients")
-        except Exception:  # pylint: disable=broad-except  (odd lazy modules)
+        except Exception:  # odd lazy modules raise anything on attribute access
             continue
         signature = _TENSORFLOW_FUNCTIONS.get(id(value)) or getattr(
             value, "_memory_saving_gradients_signature", None
@@ -186,8 +185,8 @@ def _mark(function, signature: str):
     """Keep autograph out of library code (a tf.function calling tf.gradients
     would convert it) and tag the function as ours."""
     function = tf.autograph.experimental.do_not_convert(function)
-    function._memory_saving_gradients = True  # pylint: disable=protected-access
-    function._memory_saving_gradients_signature = signature  # pylint: disable=protected-access
+    function._memory_saving_gradients = True
+    function._memory_saving_gradients_signature = signature
     return function
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from . import _gc
+from . import _gc, simulate
 from . import batch as batch_lib
 from . import graph as graph_lib
 from . import schedule as schedule_lib
-from . import simulate
 
 
 @dataclasses.dataclass(frozen=True)

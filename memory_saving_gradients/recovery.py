@@ -70,7 +70,7 @@ def is_keras_model(value) -> bool:
 
 def _frame_owners() -> Iterator[tuple]:
     """``(code, self)`` of every method frame on this thread's stack, innermost first."""
-    frame = sys._getframe(1)  # pylint: disable=protected-access
+    frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self") if frame.f_code.co_argcount else None
         if owner is not None:

@@ -19,8 +19,7 @@ import threading
 import warnings
 from typing import Iterator
 
-from . import notices
-from . import recovery
+from . import notices, recovery
 
 logger = logging.getLogger("memory_saving_gradients")
 

@@ -31,8 +31,8 @@ import threading
 import weakref
 from typing import Sequence
 
-from ._tensorflow import tf
 from . import graph as graph_lib
+from ._tensorflow import tf
 
 RECOMPUTED = "recomputed"
 IN_PLACE = "in place"

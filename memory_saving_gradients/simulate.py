@@ -25,10 +25,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ._tensorflow import tf
 from . import graph as graph_lib
 from . import ops as op_types
 from . import schedule as schedule_lib
+from ._tensorflow import tf
 
 #: :data:`.ops.ALIASES`: outputs that share their input's buffer.
 ALIAS_OP_TYPES = op_types.ALIASES

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Sequence
 
-from ._tensorflow import tf
-from ._units import MIB
-from . import _gc
+from . import _gc, simulate
 from . import batch as batch_lib
 from . import budget as budget_lib
 from . import cuts as cuts_lib
 from . import graph as graph_lib
 from . import ops as op_types
-from . import simulate
+from ._tensorflow import tf
+from ._units import MIB
 from .graph import ForwardRegion
 
 Strategy = Callable[..., list]

@@ -37,14 +37,12 @@ import threading
 import warnings
 
 from . import _tensorflow as _tf_internals
-from ._tensorflow import tf
 from . import graph as graph_lib
-from .checkpointing import gradients as _checkpointed_gradients
-from .checkpointing import building_gradients, check_arguments
+from . import notices, recovery, reporting
 from ._nesting import Nesting
-from . import notices
-from . import recovery
-from . import reporting
+from ._tensorflow import tf
+from .checkpointing import building_gradients, check_arguments
+from .checkpointing import gradients as _checkpointed_gradients
 
 logger = logging.getLogger("memory_saving_gradients")
 
