@@ -27,6 +27,9 @@ class Plan:
       batch: on a graph with unknown dimensions (an unknown batch), the batch the
         two peaks above are predicted at; None when every shape is known.
         :meth:`peak_at` and :meth:`largest_batch` answer for any batch.
+      predicted_step_ratio: the time model's (:mod:`.timing`) time of the forward and
+        backward pass with this plan's recomputation over plain ``tf.gradients``' (the
+        region's ops only: not the optimizer's update or the input pipeline).
       schedule: the backward schedule (:class:`.schedule.Schedule`) the prediction
         replays and ``gradients()`` builds: its ``steps``, in order, and
         ``describe()`` them by name.
@@ -40,6 +43,7 @@ class Plan:
     assumptions: tuple = ()
     recomputed_ops: tuple = ()
     batch: int | None = None
+    predicted_step_ratio: float = 1.0
     schedule: schedule_lib.Schedule | None = dataclasses.field(
         default=None, repr=False, compare=False)
     _model: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -90,7 +94,8 @@ class Plan:
             f"Plan ({self.strategy}): {len(self.checkpoints)} checkpoints, predicted peak "
             f"{self.predicted_peak_bytes / mb:.1f} MB vs {self.baseline_peak_bytes / mb:.1f} MB "
             f"for tf.gradients ({self.predicted_ratio:.2f}x), recomputation "
-            f"{self.recompute_cost:.2f} of a forward pass",
+            f"{self.recompute_cost:.2f} of a forward pass, predicted step time "
+            f"{self.predicted_step_ratio:.2f}x",
         ]
         if self.recomputed_ops:
             lines.append(
@@ -133,6 +138,7 @@ def make_plan(
         predicted_peak_bytes=predicted.peak_bytes,
         baseline_peak_bytes=baseline.peak_bytes,
         recompute_cost=predicted.recompute_cost,
+        predicted_step_ratio=predicted.step_time_ratio,
         strategy=strategy,
         assumptions=tuple(sorted(set(predicted.assumptions + baseline.assumptions)))
         + tuple(batch_note) + simulate.workspace_note(region, onednn, gpu),

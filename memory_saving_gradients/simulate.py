@@ -28,6 +28,7 @@ import numpy as np
 from . import graph as graph_lib
 from . import ops as op_types
 from . import schedule as schedule_lib
+from . import timing
 from ._tensorflow import tf
 
 #: :data:`.ops.ALIASES`: outputs that share their input's buffer.
@@ -48,11 +49,22 @@ class Prediction:
     forward_work: float
     assumptions: tuple = ()
     recomputed_ops: tuple = ()  # (op type, how many copies of that type run), by count
+    # the time model's seconds (:mod:`.timing`): the forward pass, the gradients, the copies
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+    recompute_seconds: float = 0.0
 
     @property
     def recompute_cost(self) -> float:
         """Extra forward work, as a fraction of one forward pass."""
         return self.recompute_work / self.forward_work if self.forward_work else 0.0
+
+    @property
+    def step_time_ratio(self) -> float:
+        """Predicted time of the region's forward and backward pass with the recomputation,
+        over the time without it."""
+        plain = self.forward_seconds + self.backward_seconds
+        return (plain + self.recompute_seconds) / plain if plain else 1.0
 
 
 class Sizer:
@@ -150,6 +162,14 @@ class Sizer:
             found = self._costs[op] = op_cost(op, self)
         return found
 
+    def seconds(self, op: tf.Operation) -> float:
+        """:func:`op_seconds`, with this Sizer's sizes."""
+        key = ("seconds", op)
+        found = self._costs.get(key)
+        if found is None:
+            found = self._costs[key] = op_seconds(op, self)
+        return found
+
     def assumptions(self) -> tuple:
         if not self.assumed:
             return ()
@@ -239,6 +259,35 @@ def op_cost(op: tf.Operation, size=graph_lib.tensor_bytes) -> float:
     traffic = sum(size(t) for t in list(op.inputs) + list(op.outputs))
     shape = getattr(size, "shape", _static_shape)  # a Sizer estimates unknown dimensions
     return op_flops(op, shape) + BYTE_COST * traffic
+
+
+def op_seconds(op: tf.Operation, size=graph_lib.tensor_bytes) -> float:
+    """The time model's seconds for one op (:func:`.timing.op_seconds`, this machine's
+    calibration or the default): its FLOPs at its kind's rate, or its bytes at the
+    memory bandwidth, whichever is slower, plus the fixed cost of a kernel."""
+    traffic = sum(size(t) for t in list(op.inputs) + list(op.outputs))
+    shape = getattr(size, "shape", _static_shape)
+    return timing.op_seconds(op_flops(op, shape), traffic, timing.kind_of(op.type), timing.current())
+
+
+def step_seconds(region, size) -> tuple:
+    """The time model's (forward, backward) seconds of the region's ops: each op, and its
+    gradient (:func:`.timing.backward_seconds`) where a gradient flows through it."""
+    throughput = timing.current()
+    forward = backward = 0.0
+    for op in region.order:
+        if op.type in _NO_KERNEL_OP_TYPES:
+            continue
+        seconds = size.seconds(op)
+        forward += seconds
+        if op.type not in op_types.SHAPE_ONLY_READERS:
+            backward += timing.backward_seconds(seconds, timing.kind_of(op.type), throughput)
+    return forward, backward
+
+
+#: Ops that run no kernel of their own in a step (grappler folds constants; a
+#: placeholder is fed).
+_NO_KERNEL_OP_TYPES = frozenset({"Const", "Placeholder", "PlaceholderWithDefault", "NoOp"})
 
 
 class _Timeline:
@@ -416,7 +465,9 @@ def predict_baseline(
         _backward_op(op, step, timeline, grads, region, xs_refs, size, memo)
     grads.finish(fetched)
     forward_work = sum(size.cost(op) for op in region.order)
-    return Prediction(timeline.peak(step + 1), 0.0, forward_work, size.assumptions())
+    forward_seconds, backward_seconds = step_seconds(region, size)
+    return Prediction(timeline.peak(step + 1), 0.0, forward_work, size.assumptions(),
+                      forward_seconds=forward_seconds, backward_seconds=backward_seconds)
 
 
 def predict_checkpointed(
@@ -452,9 +503,11 @@ def predict_checkpointed(
             replay.take(backward_step)
     grads.finish(fetched, xs_refs)
     forward_work = sum(size.cost(op) for op in region.order)
+    forward_seconds, backward_seconds = step_seconds(region, size)
     return Prediction(
         timeline.peak(replay.step + 1), replay.recompute_work, forward_work, size.assumptions(),
-        tuple(replay.recomputed.most_common()),
+        tuple(replay.recomputed.most_common()), forward_seconds, backward_seconds,
+        replay.recompute_seconds,
     )
 
 
@@ -466,6 +519,7 @@ class _Replay:
         self.xs_refs, self.size, self.memo = xs_refs, size, memo
         self.step = step  # the last step taken
         self.recompute_work = 0.0
+        self.recompute_seconds = 0.0
         self.recomputed: collections.Counter = collections.Counter()
 
     def take(self, backward_step) -> None:
@@ -493,6 +547,7 @@ class _Replay:
                 continue  # nothing reads this copy: grappler prunes it
             self.step += 1
             self.recompute_work += self.size.cost(op)
+            self.recompute_seconds += self.size.seconds(op)
             self.recomputed[op.type] += 1
             for t in op.inputs:
                 timeline.use(rename(t.ref()), self.step)
