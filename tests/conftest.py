@@ -41,6 +41,30 @@ def pytest_configure(config):
         "filterwarnings", "error::memory_saving_gradients.notices.FallbackWarning")
 
 
+#: Fixtures that say what a test does, and the marker (pyproject.toml) it must carry.
+MARKER_OF_FIXTURE = {"measure_peak": "memory"}
+#: Fixtures that run a session: never in a ``unit`` test.
+SESSION_FIXTURES = {"measure_peak", "run_both"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The layers hold: a test that measures peaks through ``measure_peak`` is marked
+    ``memory``, and a ``unit`` test runs no session through the fixtures."""
+    wrong = []
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        marks = {mark.name for mark in item.iter_markers()}
+        wrong += [f"{item.nodeid} uses {name} but is not marked {marker}"
+                  for name, marker in MARKER_OF_FIXTURE.items()
+                  if name in fixtures and marker not in marks]
+        if "unit" in marks:
+            wrong += [f"{item.nodeid} is marked unit but uses {name}"
+                      for name in sorted(fixtures & SESSION_FIXTURES)]
+    if wrong:
+        raise pytest.UsageError("test markers disagree with what the tests do "
+                                "(docs/testing.md):\n  " + "\n  ".join(wrong))
+
+
 @pytest.fixture
 def graph():
     """A fresh v1 graph, made the default for the test's duration."""

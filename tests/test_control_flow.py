@@ -240,6 +240,7 @@ def _loop_chain(x):
     return tf.reduce_sum(h), units[2::3]
 
 
+@pytest.mark.memory
 @pytest.mark.parametrize("v1", [False, True], ids=["while_v2", "while_v1"])
 def test_recomputation_around_a_loop_saves_memory(v1):
     """Peak of the backward pass with a loop in the middle of two tanh chains."""

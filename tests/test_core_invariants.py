@@ -185,6 +185,7 @@ with g.as_default():
 """
 
 
+@pytest.mark.subprocess
 def test_deterministic_across_processes_and_hash_seeds():
     """Set and dict order of ops depends on object addresses and PYTHONHASHSEED; the rewrite must not."""
     strategy = "memory" if "memory" in msg.available_strategies() else "collection"

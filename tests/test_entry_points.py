@@ -24,6 +24,8 @@ from memory_saving_gradients import memo, rewrite, tape_hooks  # noqa: E402
 from memory_saving_gradients import patching  # noqa: E402
 from memory_saving_gradients import tape as tape_lib  # noqa: E402
 
+pytestmark = pytest.mark.keras
+
 LOGGER = "memory_saving_gradients"
 WIDTH, DEPTH, BATCH = 64, 8, 256
 

@@ -24,6 +24,8 @@ keras = pytest.importorskip("keras")
 import memory_saving_gradients as msg  # noqa: E402
 from memory_saving_gradients import tape as tape_lib  # noqa: E402
 
+pytestmark = pytest.mark.keras
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "keras_fit.py")
 
@@ -134,6 +136,8 @@ def _result(proc) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.subprocess
+@pytest.mark.memory
 def test_deep_fit_peak_rss_drops_by_200_mb():
     """48 x Dense(1024), batch 4096, one step, in two processes (ours then evaluates).
 

@@ -35,6 +35,8 @@ keras = pytest.importorskip("keras")
 import memory_saving_gradients as msg  # noqa: E402
 from bench import keras_suite  # noqa: E402
 
+pytestmark = [pytest.mark.keras, pytest.mark.memory]
+
 try:
     keras_suite.import_keras_hub()
     _NO_HUB = None

@@ -110,6 +110,7 @@ def test_speed_chooses_by_op_type_not_name(graph):
     assert "conv_not_a_conv:0" not in names
 
 
+@pytest.mark.memory
 def test_memory_without_bottleneck_still_saves():
     """A U-Net has no single tensor separating its input from its loss."""
     base, _ = _measure("unet", "tf", image_size=64, batch=8, base=16, levels=4)
@@ -186,6 +187,7 @@ def test_infeasible_budget_states_smallest_peak():
 
 # --- measured memory against tf.gradients ---------------------------------
 
+@pytest.mark.memory
 @pytest.mark.parametrize(
     "name,size,bound",
     [
@@ -212,6 +214,7 @@ def test_memory_strategy_peak_and_plan_accuracy(name, size, bound):
         our_plan.predicted_peak_bytes / MB, ours / MB)
 
 
+@pytest.mark.memory
 def test_unet_plan_matches_the_measured_peak():
     """The U-Net's skip connections leave the executor independent branches to
     interleave: plain tf.gradients measured 49.6-65.3 MB from run to run.  'memory'
@@ -231,6 +234,7 @@ def test_unet_plan_matches_the_measured_peak():
         our_plan.predicted_peak_bytes / MB, low / MB)
 
 
+@pytest.mark.memory
 def test_budget_beats_uniform_on_resnet110():
     """0.22x of the predicted baseline as budget: measured at most 0.25x of tf.gradients."""
     size = dict(depth=110, batch=32)
@@ -240,6 +244,7 @@ def test_budget_beats_uniform_on_resnet110():
     assert ours <= 0.25 * base, f"{ours / MB:.1f} MB vs {base / MB:.1f} MB"
 
 
+@pytest.mark.memory
 def test_budgets_are_met_and_monotone():
     """Budgets of 0.4, 0.6, 0.8 of the baseline: measured peaks within 1.15x, rising
     (within 1%)."""

@@ -25,6 +25,8 @@ import tensorflow as tf  # noqa: E402
 import memory_saving_gradients as msg  # noqa: E402
 from memory_saving_gradients import profiling  # noqa: E402
 
+pytestmark = [pytest.mark.keras, pytest.mark.memory]
+
 keras = pytest.importorskip("keras")
 
 RATIO = 0.75
