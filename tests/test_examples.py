@@ -28,7 +28,7 @@ def _example(name: str):
 @pytest.mark.parametrize("name", [
     pytest.param("keras_tf_data", marks=pytest.mark.keras),
     pytest.param("tf_keras_fit", marks=pytest.mark.keras),
-    "custom_loop",
+    pytest.param("custom_loop", marks=pytest.mark.keras),  # a tf.keras optimizer
     pytest.param("xla_step", marks=pytest.mark.xla),
 ])
 def test_training_examples_train_alike_and_save_memory(name):
