@@ -31,7 +31,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.keras]
+pytestmark = [pytest.mark.subprocess, pytest.mark.keras, pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "applications_worker.py"

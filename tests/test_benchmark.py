@@ -20,6 +20,7 @@ def _chain_spec(n=20, size=16384):
     return core.spec_from_module(test_models.chain, n=n, size=size, kind="tanh")
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_measure_tiny_chain_gives_sane_numbers():
     spec = _chain_spec()
@@ -39,6 +40,7 @@ def test_measure_tiny_chain_gives_sane_numbers():
     assert abs(base.predicted_peak_bytes - base.peak_bytes) <= 0.35 * base.peak_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_measure_plain_build_function_and_unavailable_variant():
     def build(add_to_collection=False):
@@ -61,6 +63,7 @@ def test_measure_plain_build_function_and_unavailable_variant():
         benchmark.measure(build, "no-such-variant")
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_recompute_grad_variant_saves_memory_and_equals_tf_gradients():
     spec = core.spec_from_module(test_models.resnet, depth=14, batch=2, width=4)
@@ -134,6 +137,7 @@ def test_gradients_close_handles_sparse_and_detects_differences():
     assert core.gradients_close([None], [dense])[0] is False
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_cli_quick_writes_tables_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
@@ -196,6 +200,7 @@ def _gpu_resnet(*args):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.memory
 def test_gpu_check_skips_without_a_gpu_and_runs_its_comparison_with_cpu():
@@ -216,6 +221,7 @@ def test_gpu_check_skips_without_a_gpu_and_runs_its_comparison_with_cpu():
     assert failed.returncode == 1, failed.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.xla
 @pytest.mark.memory
@@ -230,6 +236,7 @@ def test_gpu_check_compares_under_xla_with_cpu_and_xla():
     assert "gpu_resnet: OK" in ran.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.xla
 @pytest.mark.memory
@@ -310,6 +317,7 @@ def test_gradient_check_repeats_a_mismatch_and_says_so(monkeypatch, wrong_runs, 
     assert ("repeated" in note) == (retries > 0), note
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_cli_largest_batch_writes_its_table_and_every_answer_fits(tmp_path):
     """--largest-batch: per model, the largest batch predicted to fit, plain and 'memory',

@@ -108,6 +108,7 @@ def _max_diff(a, b):
 # ------------------------------------------------------------------- v2, tf.function
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direct", [False, True])
 def test_v2_in_tf_function_list_checkpoints(direct):
     x_value, w_values = _weights()

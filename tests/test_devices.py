@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.memory]
+pytestmark = [pytest.mark.subprocess, pytest.mark.memory, pytest.mark.slow]
 
 HALF = 16
 SIZE = 262144  # float32 elements: 1 MiB

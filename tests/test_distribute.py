@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 LAYERS = 8
 WIDTH = 64

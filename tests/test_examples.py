@@ -25,6 +25,7 @@ def _example(name: str):
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [
     pytest.param("keras_tf_data", marks=pytest.mark.keras),
     pytest.param("tf_keras_fit", marks=pytest.mark.keras),
@@ -39,6 +40,7 @@ def test_training_examples_train_alike_and_save_memory(name):
     assert result["peak"] < 0.8 * result["plain_peak"], result
 
 
+@pytest.mark.slow
 def test_v1_graph_example():
     result = _example("v1_graph").main([])
     peaks = result["peaks"]
@@ -47,6 +49,7 @@ def test_v1_graph_example():
     assert result["max_difference"] < 1e-4
 
 
+@pytest.mark.slow
 def test_budget_example_meets_its_budgets():
     result = _example("budget_plan").main([])
     assert result["rows"], "no budget was feasible"
@@ -55,6 +58,7 @@ def test_budget_example_meets_its_budgets():
         assert measured <= 1.15 * budget, (measured, budget)
 
 
+@pytest.mark.slow
 @pytest.mark.keras
 def test_largest_batch_example_fits_and_checkpointing_trains_a_larger_batch():
     result = _example("largest_batch").main([])

@@ -75,6 +75,7 @@ def test_error_description_skips_keras_wrapper_line():
     assert keras_suite.describe_error(autograph) == "ValueError: Keywords need eager."
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.keras
 @pytest.mark.memory

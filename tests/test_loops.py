@@ -272,22 +272,26 @@ def _sample(full: list, ci: list) -> list:
 ALL = list(CONSTRUCTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("construct", ALL)
 def test_tf_function_every_strategy(construct):
     _check_function(construct, jit_compile=False)
 
 
+@pytest.mark.slow
 @pytest.mark.xla
 @pytest.mark.parametrize("construct", _sample(ALL, ["while_writes", "nested_loops"]))
 def test_xla_every_strategy(construct):
     _check_function(construct, jit_compile=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("construct", ALL)
 def test_v1_graph_v1_control_flow_every_strategy(construct):
     _check_v1_graph(construct, v1_control_flow=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("construct", _sample(ALL, ["while_reads_and_writes"]))
 def test_v1_graph_v2_control_flow_every_strategy(construct):
     _check_v1_graph(construct, v1_control_flow=False)
@@ -343,11 +347,13 @@ def _check_tape(construct, jit_compile):
         _assert_same(reference, _numpy(grads), f"tape {construct}/{checkpoints}{sorted(options)}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("construct", _sample(ALL, ["while_writes", "scan", "map_fn"]))
 def test_tape_patch_every_strategy(construct):
     _check_tape(construct, jit_compile=False)
 
 
+@pytest.mark.slow
 @pytest.mark.xla
 @pytest.mark.parametrize("construct", _sample(ALL, ["while_writes"]))
 def test_tape_patch_under_xla(construct):
@@ -529,6 +535,7 @@ if FULL:
     RNN_CASES += [("SimpleRNN", "patched"), ("Bidirectional", "enable"), ("ConvLSTM2D", "patched")]
 
 
+@pytest.mark.slow
 @pytest.mark.keras
 @pytest.mark.skipif(keras is None, reason="keras is not installed")
 @pytest.mark.parametrize("kind,how", RNN_CASES)

@@ -24,7 +24,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.subprocess
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
 
 STEPS = 3
 WORKER_TIMEOUT_S = 75

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.memory]
+pytestmark = [pytest.mark.subprocess, pytest.mark.memory, pytest.mark.slow]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

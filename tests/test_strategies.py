@@ -77,6 +77,7 @@ MODELS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["speed", "memory"])
 @pytest.mark.parametrize("name,size", MODELS, ids=[m[0] for m in MODELS])
 def test_strategy_gradients_equal_tf_gradients(name, size, strategy):
@@ -110,6 +111,7 @@ def test_speed_chooses_by_op_type_not_name(graph):
     assert "conv_not_a_conv:0" not in names
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_memory_without_bottleneck_still_saves():
     """A U-Net has no single tensor separating its input from its loss."""
@@ -187,6 +189,7 @@ def test_infeasible_budget_states_smallest_peak():
 
 # --- measured memory against tf.gradients ---------------------------------
 
+@pytest.mark.slow
 @pytest.mark.memory
 @pytest.mark.parametrize(
     "name,size,bound",
@@ -214,6 +217,7 @@ def test_memory_strategy_peak_and_plan_accuracy(name, size, bound):
         our_plan.predicted_peak_bytes / MB, ours / MB)
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_unet_plan_matches_the_measured_peak():
     """The U-Net's skip connections leave the executor independent branches to
@@ -234,6 +238,7 @@ def test_unet_plan_matches_the_measured_peak():
         our_plan.predicted_peak_bytes / MB, low / MB)
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_budget_beats_uniform_on_resnet110():
     """0.22x of the predicted baseline as budget: measured at most 0.25x of tf.gradients."""
@@ -244,6 +249,7 @@ def test_budget_beats_uniform_on_resnet110():
     assert ours <= 0.25 * base, f"{ours / MB:.1f} MB vs {base / MB:.1f} MB"
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_budgets_are_met_and_monotone():
     """Budgets of 0.4, 0.6, 0.8 of the baseline: measured peaks within 1.15x, rising
@@ -279,6 +285,7 @@ def test_copies_nothing_reads_are_not_run(graph):
     assert graph_lib.copies_that_run([h.op, out.op, squared.op]) == {h.op, out.op}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoints", ["memory", "collection", "speed"])
 def test_plan_counts_the_convolutions_a_step_recomputes(checkpoints):
     """plan().recomputed_ops matches what grappler leaves to run: extra Conv2D
@@ -315,6 +322,7 @@ def _training_peak(model, checkpoints):
                                          fetched=False).peak_bytes
 
 
+@pytest.mark.slow
 def test_balanced_trades_peak_for_recomputation_within_its_slack(monkeypatch):
     """'balanced' recomputes no more than the least-peak plan, and peaks at most
     MEMORY_SLACK above it; weighing memory above everything gives the least peak."""
@@ -336,6 +344,7 @@ def test_balanced_trades_peak_for_recomputation_within_its_slack(monkeypatch):
                                             strategies.SAVING_SLACK * (baseline - least_peak))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,size", [
     ("resnet", dict(depth=56, batch=8)),
     ("resnet", dict(depth=110, batch=32)),
@@ -366,6 +375,7 @@ def test_memory_takes_the_least_peak(monkeypatch, name, size):
     assert ours.recompute_cost <= least.recompute_cost + 1e-9
 
 
+@pytest.mark.slow
 def test_memory_peak_grows_as_sqrt_depth_not_as_depth():
     """Predicted training peaks of 'memory' over ResNet depths 20-218 (batch 8): the
     fitted exponent stays near the least peak's sqrt(depth), far from tf.gradients' 1."""

@@ -205,6 +205,7 @@ def test_keras_variables_as_sources():
         _close(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_tape_in_tf_function_lowers_the_measured_peak(graph, measure_peak):
     """A tf.function training step called in a v1 graph: its nodes show in the step stats.

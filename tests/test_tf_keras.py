@@ -51,6 +51,7 @@ def test_importing_tf_keras_leaves_keras_3_as_tf_keras_module():
     assert tf.keras.Model is keras.Model
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 @pytest.mark.parametrize("variant", ["enable", "patched"])
 def test_functional_fit_same_losses_and_lower_peak(variant):
@@ -91,6 +92,7 @@ def _fit_sequential(variant):
                                            size["steps"], batch_size=b)
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 @pytest.mark.parametrize("variant", ["enable", "patched"])
 def test_sequential_with_dropout_fit_on_numpy_same_losses_and_lower_peak(variant):

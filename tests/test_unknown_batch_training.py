@@ -148,6 +148,7 @@ def _peak(case, size, patched):
     return _v1_graph_peak(size, patched)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [MLP, CONV], ids=["mlp", "conv"])
 @pytest.mark.parametrize("case", ["keras3_fit", "tf_keras_fit", "custom_loop", "v1_graph"])
 def test_one_line_saves_memory_with_an_unknown_batch(case, size):

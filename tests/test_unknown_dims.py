@@ -63,6 +63,7 @@ def _measured_peak(name, batch, batch_known, measure_peak, **options):
         return min(measure_peak(grads, feed)[0] for _ in range(SESSIONS))
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 @pytest.mark.parametrize("batch", [8, 64])
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -144,6 +145,7 @@ def test_keeping_nothing_is_one_warning_that_says_why():
     assert "planned for every batch" in warnings[0] and "batch_size=" in warnings[0]
 
 
+@pytest.mark.slow
 def test_same_values_with_an_unknown_batch(graph, run_both, assert_grads_match):
     loss, xs, feed = _build("transformer", 8, False)
     ours = msg.gradients(loss, xs, checkpoints="memory")

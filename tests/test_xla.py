@@ -271,6 +271,7 @@ def xla_memory():
 MODELS = ["mlp", "transformer", "resnet"]
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.memory
 @pytest.mark.parametrize("model", MODELS)
@@ -282,6 +283,7 @@ def test_xla_temp_memory_below_plain(xla_memory, model, mode):
     assert ours <= 0.85 * plain, result
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("model", ["transformer", "resnet"])
 @pytest.mark.parametrize("mode", ["list", "memory"])
@@ -293,6 +295,7 @@ def test_gradients_under_xla_equal_tf_gradients(xla_memory, model, mode):
     assert result[mode]["error"] <= max(2 * result["plain"]["error"], 1e-4), result
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.memory
 @pytest.mark.parametrize("model", MODELS)
@@ -307,6 +310,7 @@ def test_planner_prediction_near_xla_memory(xla_memory, model, mode):
     assert 0.6 <= ratio <= 1.1, result
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.memory
 def test_v1_xla_compile_is_detected_and_saves(xla_memory):
@@ -316,6 +320,7 @@ def test_v1_xla_compile_is_detected_and_saves(xla_memory):
     assert result["list"]["error"] <= 1e-4, result
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.memory
 def test_graph_built_without_xla_then_compiled(xla_memory):
@@ -328,6 +333,7 @@ def test_graph_built_without_xla_then_compiled(xla_memory):
     assert abs(result["list"]["temp"] - result["plain"]["temp"]) <= 0.05 * result["plain"]["temp"]
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.memory
 def test_auto_clustering_saves(xla_memory):
@@ -339,6 +345,7 @@ def test_auto_clustering_saves(xla_memory):
     assert result["list"]["error"] <= 1e-4, result
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.keras
 @pytest.mark.memory
