@@ -25,17 +25,6 @@ From Python, on your own model::
 
 from __future__ import annotations
 
-from .core import (
-    VARIANTS,
-    Functional,
-    ModelSpec,
-    Result,
-    measure,
-    prepare,
-    spec_from_module,
-    time_interleaved,
-)
-
 __all__ = [
     "VARIANTS",
     "Functional",
@@ -46,3 +35,14 @@ __all__ = [
     "spec_from_module",
     "time_interleaved",
 ]
+
+
+def __getattr__(name: str):
+    """The names of ``__all__``, from :mod:`.core` on first use: importing the package
+    alone imports no TensorFlow, so that ``python -m bench`` can set TensorFlow's
+    environment first."""
+    if name in __all__:
+        from . import core
+
+        return getattr(core, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

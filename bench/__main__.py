@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 if __name__ == "__main__":
     if "TF_CPP_MIN_LOG_LEVEL" not in os.environ:

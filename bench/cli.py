@@ -11,6 +11,8 @@ import sys
 import time
 from typing import List, Optional
 
+from memory_saving_gradients._units import MIB
+
 from . import core
 
 DEFAULT_VARIANTS = tuple(v for v in core.VARIANTS if v != "tf.function")
@@ -104,10 +106,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def resolve_device(choice: str) -> str:
-    from memory_saving_gradients._tensorflow import tf
+    from memory_saving_gradients._tensorflow import gpu_visible
 
     if choice == "auto":
-        return "/GPU:0" if tf.config.list_physical_devices("GPU") else ""
+        return "/GPU:0" if gpu_visible() else ""
     if choice == "cpu":
         return "/CPU:0"
     if choice == "gpu":
@@ -129,6 +131,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         dump = xla_lib.XlaDump()  # before anything in this process compiles with XLA
     from memory_saving_gradients._tensorflow import tf
+
     from . import fits as fits_lib
     from . import models, report, sweep, training
 
@@ -227,9 +230,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _xla_results(args, specs, dump, steps) -> list:
-    from . import xla as xla_lib
-
     import memory_saving_gradients as msg
+
+    from . import xla as xla_lib
 
     variants = _csv(args.xla_variants) if args.xla_variants else list(xla_lib.XLA_VARIANTS)
     unknown = [v for v in variants
@@ -244,7 +247,7 @@ def _xla_results(args, specs, dump, steps) -> list:
         rows = xla_lib.measure_xla(spec, variants, dump=dump, steps=steps)
         for r in rows:
             print(f"  {r.model} {spec.size_label} {r.variant}: XLA temp "
-                  f"{r.temp_bytes / 2**20:.2f} MB, {r.step_seconds * 1e3:.1f} ms", flush=True)
+                  f"{r.temp_bytes / MIB:.2f} MB, {r.step_seconds * 1e3:.1f} ms", flush=True)
         results.extend(rows)
     return results
 
@@ -357,7 +360,8 @@ def _header(args, argv, device, wall, load_before, tf) -> str:
         f"1-min load average {load_before} at start, {_load()} at end",
         f"- peaks: measured from the allocator records of traced steps, the least and the most "
         f"of {core.PEAK_RUNS} (after one warm-up; the executor's op order moves the peak), "
-        f"default ConfigProto, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'unset')}; times: median of untraced steps, variants interleaved; ratios only "
+        f"default ConfigProto, TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'unset')}; "
+        "times: median of untraced steps, variants interleaved; ratios only "
         "between variants measured together in this run",
         "",
     ])

@@ -39,19 +39,16 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from memory_saving_gradients._tensorflow import tf, tf_gradients
 from memory_saving_gradients import profiling
+from memory_saving_gradients._tensorflow import tf, tf_gradients
+from memory_saving_gradients._units import MIB
 
 logger = logging.getLogger("bench")
 
-MB = 2.0**20
-
 #: Traced steps measured per variant (after one warm-up).  The executor's inter-op
 #: threads order independent ops differently from run to run, and with them the
-#: peak (plain tf.gradients on the U-Net: 49.6-65.3 MB; its 'memory' step moved
-#: 27.4-35.1 MB until each recomputed op's gradients were gated together).  The
-#: least is the peak of the best order, the one plan() models; the most is
-#: reported beside it.
+#: peak (plain tf.gradients on the U-Net: 49.6-65.3 MB).  The least is the peak of
+#: the best order, the one plan() models; the most is reported beside it.
 PEAK_RUNS = 3
 #: A gradient check that fails is run again (both sides) up to this many times; the
 #: table notes each retry.  A wrong rewrite fails every time.
@@ -164,7 +161,7 @@ class Result:
 
     @property
     def peak_mb(self) -> Optional[float]:
-        return None if self.peak_bytes is None else self.peak_bytes / MB
+        return None if self.peak_bytes is None else self.peak_bytes / MIB
 
 
 def spec_from_module(module, seed: int = 0, name: Optional[str] = None, **size) -> ModelSpec:
@@ -225,15 +222,8 @@ def grappler_recompute_config(base=None) -> "tf.compat.v1.ConfigProto":
 
 def library_available(variant: str) -> Optional[str]:
     """None if the variant can run with this installation, else why not."""
-    import memory_saving_gradients as msg
-
     if variant not in VARIANTS:
         return f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}"
-    strategy = LIBRARY_STRATEGY.get(variant)
-    if strategy and strategy not in msg.available_strategies():
-        return f"strategy {strategy!r} is not available in this memory_saving_gradients yet"
-    if variant == "memory+budget" and not hasattr(msg, "plan"):
-        return "memory_saving_gradients.plan() is not available yet"
     if variant in FUNCTION_VARIANTS and not tf.executing_eagerly():
         return "needs eager execution enabled (the TF2 default) to trace the tf.function"
     return None
@@ -254,12 +244,7 @@ def peak_bytes(run_metadata, device: str = "") -> tuple:
         for name in records
         if ("gpu" in name.lower()) == on_gpu and "cuda_host" not in name.lower()
     )
-    merged = sorted(r for name in chosen for r in records[name])
-    running = peak = 0
-    for _, size in merged:
-        running += size
-        peak = max(peak, running)
-    return peak, chosen
+    return profiling.running_peak(r for name in chosen for r in records[name]), chosen
 
 
 def gradients_close(values, reference, rtol: float = 1e-3) -> tuple:
@@ -368,6 +353,14 @@ class Prepared:
         self.result.median_step_seconds = statistics.median(self.times)
         self.result.median_step_cpu_seconds = statistics.median(self.cpu_times)
         return elapsed
+
+    def traced_step(self):
+        """Run one fully traced step (not recorded as a timed step); its RunMetadata and seconds."""
+        options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        metadata = tf.compat.v1.RunMetadata()
+        start = time.perf_counter()
+        self._session.run(self._fetches, self._feed, options=options, run_metadata=metadata)
+        return metadata, time.perf_counter() - start
 
     def close(self) -> None:
         if self._session is not None:

@@ -13,8 +13,9 @@ import dataclasses
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from memory_saving_gradients._units import MIB
+
 from . import core
-from .core import MB
 
 
 @dataclasses.dataclass
@@ -144,10 +145,10 @@ def fits_in(
             # 'memory+budget' is given the cap itself as its budget: how a user fits a model
             prepared = core.prepare(spec_for(value), variant, check_grads=False, device=device,
                                     budget_fraction=budget_fraction, predict=False,
-                                    budget_bytes=int(cap_mb * MB))
+                                    budget_bytes=int(cap_mb * MIB))
             prepared.close()
             res = prepared.result
-            mb = res.peak_bytes / MB if res.ok else None
+            mb = res.peak_bytes / MIB if res.ok else None
             if res.error:
                 errors.append(res.error)
             probes.append((value, mb))

@@ -49,7 +49,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-MIB = 1 << 20
+from memory_saving_gradients._units import KIB, MIB
 
 #: case -> variants that apply to it
 CASES: Dict[str, Tuple[str, ...]] = {
@@ -62,14 +62,6 @@ CASES: Dict[str, Tuple[str, ...]] = {
 
 #: variant -> keras.RematScope mode
 REMAT_MODES = {"remat": "full", "remat_act": "activations"}
-
-CASE_HELP = {
-    "keras3_fit": "Keras 3 fit, tf.data .batch(B) (batch unknown), conv net with batch norm",
-    "tf_keras_fit": "tf_keras (Keras 2) fit, same conv net",
-    "custom_loop": "tf.function(input_signature batch None) with tf.GradientTape, Keras 3 model",
-    "gpt2_fit": "keras-hub GPT2CausalLM from config, random weights",
-    "bert_fit": "keras-hub BertTextClassifier from config, random weights",
-}
 
 VARIANT_HELP = {
     "plain": "no library",
@@ -273,7 +265,7 @@ class PeakRSS:
     def __exit__(self, *exc):
         if self._samples is None:
             with open("/proc/self/status") as f:
-                hwm = next(int(line.split()[1]) * 1024 for line in f
+                hwm = next(int(line.split()[1]) * KIB for line in f
                            if line.startswith("VmHWM:"))
             self.peak = hwm
         else:
@@ -701,7 +693,8 @@ def main(argv: Optional[List[str]] = None, out: str = "bench_out", quick: bool =
         "the resident set before them; allocator peak: TensorFlow's CPU allocator, peak bytes "
         "of the timed steps beyond those in use before them; step s: median wall time of a "
         "timed step (noisy on shared cores); CPU s/step: the process's CPU time (all threads) "
-        "over the timed steps / steps, less sensitive to other processes on the cores; losses equal: Keras' running loss after "
+        "over the timed steps / steps, less sensitive to other processes on the cores; "
+        "losses equal: Keras' running loss after "
         f"every batch within rtol {LOSS_RTOL:g} of plain's",
         "- sizes: " + "; ".join(f"{k}: " + ", ".join(f"{a}={b}" for a, b in v.items())
                                 for k, v in (QUICK_SIZES if quick else SIZES).items()),
@@ -740,7 +733,7 @@ def _worker(argv: List[str]) -> int:
     case, variant, size = argv[0], argv[1], json.loads(argv[2])
     try:
         result = run_case(case, variant, size)
-    except Exception as error:  # noqa: BLE001 - every failure is a row of the table
+    except Exception as error:
         result = {"error": describe_error(error)}
     print(_MARK + json.dumps(result), flush=True)
     return 0

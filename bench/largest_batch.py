@@ -18,8 +18,9 @@ import os
 import time
 from typing import Dict, List, Optional
 
+from memory_saving_gradients._units import MIB
+
 from . import core
-from .core import MB
 
 #: Model sizes (the default sweep's, batch left out; ResNet-56 stands for the depths).
 SIZES: Dict[str, dict] = {
@@ -72,8 +73,8 @@ def _graph(module, size: dict, batch: int):
 def _measure(module, size: dict, batch: int, checkpointed: bool) -> tuple:
     """(least, most) measured peak bytes of the step at ``batch``."""
     import memory_saving_gradients as msg
-    from memory_saving_gradients._tensorflow import tf
     from memory_saving_gradients import profiling
+    from memory_saving_gradients._tensorflow import tf
 
     with tf.Graph().as_default():
         loss, xs, feed = _graph(module, size, batch)
@@ -93,10 +94,11 @@ def _measure(module, size: dict, batch: int, checkpointed: bool) -> tuple:
 def run(names: List[str], memory_mb: float, quick: bool = False) -> List[Row]:
     import memory_saving_gradients as msg
     from memory_saving_gradients._tensorflow import tf
+
     from .models import test_models_package
 
     tm = test_models_package()
-    memory = memory_mb * MB
+    memory = memory_mb * MIB
     rows: List[Row] = []
     for name in names:
         if name not in SIZES:
@@ -123,12 +125,13 @@ def run(names: List[str], memory_mb: float, quick: bool = False) -> List[Row]:
                     least, most = _measure(module, size, batch, checkpointed=not plain)
                 except Exception as caught:  # reported in the table, not fatal
                     error = core._first_line(caught)
-            rows.append(Row(name, label, memory_mb, variant, batch, predicted[plain] / MB,
-                            None if least is None else least / MB,
-                            None if most is None else most / MB,
+            rows.append(Row(name, label, memory_mb, variant, batch, predicted[plain] / MIB,
+                            None if least is None else least / MIB,
+                            None if most is None else most / MIB,
                             planned / 2 + time.time() - start, error))
+            measured = "-" if least is None else f"{least / MIB:.1f}-{most / MIB:.1f}"
             print(f"  {name} {variant:>12}: batch {batch}, "
-                  f"predicted {predicted[plain] / MB:.1f} MB, measured {'-' if least is None else f'{least / MB:.1f}-{most / MB:.1f}'} MB")
+                  f"predicted {predicted[plain] / MIB:.1f} MB, measured {measured} MB")
     return rows
 
 

@@ -13,7 +13,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .core import MB
+from memory_saving_gradients._units import MIB
 
 FRONTIER = "frontier"
 #: Variants a frontier is compared with (the anchors), besides tf.gradients.
@@ -32,7 +32,8 @@ COLUMNS = [
 
 HEADERS = {
     "model": "model", "size": "size", "batch": "batch", "variant": "variant",
-    "peak_mb": "peak MB (least of 3 runs)", "peak_max_mb": "most of 3", "peak_ratio": "peak / tf.gradients", "step_s": "step s (median)",
+    "peak_mb": "peak MB (least of 3 runs)", "peak_max_mb": "most of 3", "peak_ratio": "peak / tf.gradients",
+    "step_s": "step s (median)",
     "time_ratio": "time / tf.gradients", "cpu_ratio": "CPU time / tf.gradients",
     "rewrite_s": "rewrite s",
     "predicted_peak_mb": "plan() predicted MB", "grads_equal": "grads equal", "note": "note",
@@ -56,7 +57,7 @@ def row_dict(row) -> Dict[str, object]:
     if res.error:
         note = _short_error(res.error)
     elif res.budget_bytes:
-        note = f"budget {res.budget_bytes / MB:.1f} MB"
+        note = f"budget {res.budget_bytes / MIB:.1f} MB"
     if getattr(res, "gradient_retries", 0):
         retried = f"gradient check repeated {res.gradient_retries}x (nondeterministic kernels)"
         note = f"{note}; {retried}" if note else retried
@@ -65,15 +66,15 @@ def row_dict(row) -> Dict[str, object]:
         "size": res.size,
         "batch": res.batch,
         "variant": res.variant,
-        "peak_mb": None if res.peak_bytes is None else res.peak_bytes / MB,
-        "peak_max_mb": None if res.peak_max_bytes is None else res.peak_max_bytes / MB,
+        "peak_mb": None if res.peak_bytes is None else res.peak_bytes / MIB,
+        "peak_max_mb": None if res.peak_max_bytes is None else res.peak_max_bytes / MIB,
         "peak_ratio": row.peak_ratio,
         "step_s": res.median_step_seconds,
         "time_ratio": row.time_ratio,
         "cpu_ratio": getattr(row, "cpu_ratio", None),
         "rewrite_s": res.rewrite_seconds if res.ok else None,
         "predicted_peak_mb": (None if res.predicted_peak_bytes is None
-                              else res.predicted_peak_bytes / MB),
+                              else res.predicted_peak_bytes / MIB),
         "grads_equal": None if res.grads_equal is None else ("yes" if res.grads_equal else "NO"),
         "note": note,
     }
@@ -171,7 +172,7 @@ def series(rows, model: str = "resnet", key: str = "depth") -> Dict[str, List[Tu
         value = _size_value(res.size, key)
         if value is None:
             continue
-        out.setdefault(res.variant, []).append((value, res.peak_bytes / MB))
+        out.setdefault(res.variant, []).append((value, res.peak_bytes / MIB))
     return {v: sorted(p) for v, p in out.items()}
 
 
@@ -378,8 +379,8 @@ def least_peak_checks(rows) -> List[Dict[str, object]]:
             continue
         best = min(others, key=lambda r: r.result.peak_bytes)
         ratio = ours.result.peak_bytes / best.result.peak_bytes
-        checks.append(dict(model=_label(model, size), memory_mb=ours.result.peak_bytes / MB,
-                           least_other=best.result.variant, other_mb=best.result.peak_bytes / MB,
+        checks.append(dict(model=_label(model, size), memory_mb=ours.result.peak_bytes / MIB,
+                           least_other=best.result.variant, other_mb=best.result.peak_bytes / MIB,
                            ratio=ratio, ok=ratio <= 1 + LEAST_PEAK_SLACK))
     return checks
 

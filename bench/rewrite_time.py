@@ -11,8 +11,7 @@ graph construction is single-threaded, and CPU time is far less disturbed
 than wall time by other work on the machine.  Compare ratios measured in the
 same run, never absolute seconds across runs.
 
-Checkpoints: ``'memory'`` where that strategy exists, else every
-~sqrt(n)-th unit output.
+Checkpoints: ``'memory'``.
 
 Run ``python -m bench.rewrite_time`` for a markdown table (the
 100k-op rows take several minutes each).
@@ -27,10 +26,10 @@ import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from memory_saving_gradients import checkpointing, memo
 from memory_saving_gradients._tensorflow import tf, tf_gradients
-from memory_saving_gradients import checkpointing
-from memory_saving_gradients import memo
-from memory_saving_gradients import strategies
+
+from .models import test_models_package
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -40,46 +39,25 @@ DEFAULT_SIZES = (10_000, 100_000)
 
 # ---- models -------------------------------------------------------------------------
 
-def _raw_residual_stack(blocks: int, width: int = 8):
-    """A stack of small residual blocks in raw ops, for checkouts without test_models."""
-    x = tf.compat.v1.placeholder(tf.float32, [4, width], name="x")
-    w = tf.Variable(tf.random.stateless_normal([width, width], seed=[1, 2]) * 0.1, name="w")
-    h = x
-    units = []
-    for _ in range(blocks):
-        h = h + tf.tanh(tf.matmul(tf.tanh(h), w))
-        units.append(h)
-    return tf.reduce_sum(h), [x, w], units
-
-
 def _builders() -> Dict[str, Tuple[str, int, Callable]]:
     """name -> (size keyword, smallest value, fn(value) -> (loss, xs, units)) in the default graph."""
-    builders: Dict[str, Tuple[str, int, Callable]] = {}
-    try:
-        import test_models  # noqa: F401  (a source checkout has it)
-    except ImportError:
-        test_models = None
-    if test_models is not None and "chain" in test_models.MODELS:
-        def chain(n):
-            m = test_models.build("chain", kind="residual", n=int(n), size=16)
-            return m.loss, list(m.inputs), list(m.units)
-        builders["chain"] = ("n", 8, chain)
-    else:
-        builders["chain"] = ("blocks", 8, _raw_residual_stack)
-    if test_models is not None and "resnet" in test_models.MODELS:
-        def resnet(depth):
-            m = test_models.build("resnet", depth=int(depth), batch=2, width=4)
-            return m.loss, list(m.params), list(m.units)
-        builders["resnet"] = ("depth", 8, resnet)
-    else:
-        builders["resnet"] = ("blocks", 8, _raw_residual_stack)
-    if test_models is not None and "transformer" in test_models.MODELS:
-        def transformer(layers):
-            m = test_models.build("transformer", layers=int(layers), d_model=16, heads=2,
-                                  seq_len=8, vocab=32, batch=2)
-            return m.loss, list(m.params), list(m.units)
-        builders["transformer"] = ("layers", 1, transformer)
-    return builders
+    test_models = test_models_package()
+
+    def chain(n):
+        m = test_models.build("chain", kind="residual", n=int(n), size=16)
+        return m.loss, list(m.inputs), list(m.units)
+
+    def resnet(depth):
+        m = test_models.build("resnet", depth=int(depth), batch=2, width=4)
+        return m.loss, list(m.params), list(m.units)
+
+    def transformer(layers):
+        m = test_models.build("transformer", layers=int(layers), d_model=16, heads=2,
+                              seq_len=8, vocab=32, batch=2)
+        return m.loss, list(m.params), list(m.units)
+
+    return {"chain": ("n", 8, chain), "resnet": ("depth", 8, resnet),
+            "transformer": ("layers", 1, transformer)}
 
 
 def _legal(model: str, value: int) -> int:
@@ -105,19 +83,11 @@ def sizes_for(model: str, targets: Sequence[int], builders=None) -> Tuple[str, L
     return key, [max(_legal(model, a + (t - ops_a) / per_unit), a) for t in targets]
 
 
-def size_for(model: str, target_ops: int, builders=None) -> Tuple[str, int]:
-    """The size keyword and value that give about ``target_ops`` ops."""
-    key, values = sizes_for(model, [target_ops], builders)
-    return key, values[0]
-
-
 # ---- timing -------------------------------------------------------------------------
 
 def _checkpoints_for(units: Sequence) -> Tuple[object, str]:
-    if "memory" in strategies.available():
-        return "memory", "'memory'"
-    step = max(1, int(math.sqrt(len(units))))
-    return list(units[step - 1::step]), f"every {step}th of {len(units)} units"
+    """The checkpoints timed, and how the table names them: ``'memory'``."""
+    return "memory", "'memory'"
 
 
 def _timed(fn: Callable) -> float:
@@ -127,24 +97,28 @@ def _timed(fn: Callable) -> float:
     return time.process_time() - start
 
 
+def _time_in_fresh_graph(build, value: int, choose) -> tuple:
+    """Build the model in a graph of its own and time one gradients call on it:
+    ``tf.gradients`` when ``choose`` is None, else ``gradients()`` with ``choose(units)``.
+    Returns (forward ops, seconds, ops the call added, how the checkpoints were chosen)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        loss, xs, units = build(value)
+        ops = len(graph.get_operations())
+        if choose is None:
+            seconds, how = _timed(lambda: tf_gradients(loss, xs)), None
+        else:
+            checkpoints, how = choose(units)
+            seconds = _timed(lambda: checkpointing.gradients(loss, xs, checkpoints=checkpoints))
+        return ops, seconds, len(graph.get_operations()) - ops, how
+
+
 def time_one(model: str, value: int, builders=None) -> dict:
     """Times for one model size: tf.gradients and gradients() on fresh copies of the graph."""
     builders = builders or _builders()
     key, _, build = builders[model]
-    graph = tf.Graph()
-    with graph.as_default():
-        loss, xs, _ = build(value)
-        ops = len(graph.get_operations())
-        tf_seconds = _timed(lambda: tf_gradients(loss, xs))
-        tf_added = len(graph.get_operations()) - ops
-    del graph, loss, xs
-    graph = tf.Graph()
-    with graph.as_default():
-        loss, xs, units = build(value)
-        checkpoints, how = _checkpoints_for(units)
-        ours_seconds = _timed(lambda: checkpointing.gradients(loss, xs, checkpoints=checkpoints))
-        ours_added = len(graph.get_operations()) - ops
-    del graph, loss, xs, units
+    ops, tf_seconds, tf_added, _ = _time_in_fresh_graph(build, value, None)
+    _, ours_seconds, ours_added, how = _time_in_fresh_graph(build, value, _checkpoints_for)
     gc.collect()
     return dict(model=model, size_key=key, size=value, ops=ops, checkpoints=how,
                 tf_seconds=tf_seconds, ours_seconds=ours_seconds,

@@ -14,6 +14,7 @@ from typing import List
 import numpy as np
 
 from memory_saving_gradients._tensorflow import tf, tf_gradients
+
 from .models import test_models_package
 
 DEFAULT_SIZE = dict(layers=4, d_model=64, heads=4, seq_len=32, batch=4, vocab=512, dropout=0.0)
@@ -45,10 +46,6 @@ class Curves:
     @property
     def same(self) -> bool:
         return len(self.baseline) == len(self.checkpointed) and self.max_rel_diff <= self.rtol
-
-    @property
-    def loss_fell(self) -> bool:
-        return len(self.baseline) > 1 and self.baseline[-1] < self.baseline[0]
 
 
 def _train(strategy, steps, learning_rate, size, seed) -> List[float]:

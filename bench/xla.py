@@ -28,13 +28,14 @@ from typing import Optional, Sequence
 import numpy as np
 
 from memory_saving_gradients._tensorflow import tf, tf_gradients
+from memory_saving_gradients._units import GIB, KIB, MIB
 
 logger = logging.getLogger("bench")
 
 #: Variants of the XLA comparison, in table order.
 XLA_VARIANTS = ("tf.gradients", "recompute_grad", "collection", "memory")
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_UNITS = {"B": 1, "KiB": KIB, "MiB": MIB, "GiB": GIB}
 
 
 def _allocations(text: str, kind: str) -> list:
@@ -272,16 +273,16 @@ def table_rows(results) -> list:
         for variant, r in variants.items():
             rows.append({
                 "model": model, "size": label, "variant": variant,
-                "xla_temp_mb": r.temp_bytes / 2**20,
+                "xla_temp_mb": r.temp_bytes / MIB,
                 "temp_ratio": r.temp_bytes / plain.temp_bytes if plain and plain.temp_bytes else None,
                 "step_ms": r.step_seconds * 1e3,
                 "time_ratio": (r.step_seconds / plain.step_seconds
                                if plain and plain.step_seconds > 0 else None),
                 "predicted_mb": (None if r.predicted_peak_bytes is None
-                                 else r.predicted_peak_bytes / 2**20),
+                                 else r.predicted_peak_bytes / MIB),
                 "predicted_over_xla": (None if r.predicted_peak_bytes is None
                                        else r.predicted_peak_bytes / max(r.temp_bytes, 1)),
-                "xla_outputs_mb": r.output_bytes / 2**20,
+                "xla_outputs_mb": r.output_bytes / MIB,
                 "predicted_over_xla_with_outputs": (
                     None if r.predicted_peak_bytes is None
                     else r.predicted_peak_bytes / max(r.temp_bytes + r.output_bytes, 1)),

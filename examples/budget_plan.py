@@ -20,11 +20,11 @@ import sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import tensorflow as tf  # noqa: E402
+import tensorflow as tf
 
-import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients import profiling  # noqa: E402
-import test_models  # noqa: E402  (the repository's models)
+import memory_saving_gradients as msg
+import test_models
+from memory_saving_gradients import profiling
 
 
 def main(argv=None) -> dict:

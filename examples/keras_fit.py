@@ -23,11 +23,11 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import keras  # noqa: E402
+import keras
+import numpy as np
 
-import memory_saving_gradients  # noqa: E402
-import memory_saving_gradients.keras  # noqa: E402,F401
+import memory_saving_gradients
+import memory_saving_gradients.keras
 
 
 def build_model(layers: int, width: int, inputs: int, dropout: float = 0.0) -> keras.Model:

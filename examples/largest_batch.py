@@ -22,11 +22,11 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import memory_saving_gradients as msg  # noqa: E402
+import memory_saving_gradients as msg
 
 WIDTH, DEPTH = 256, 12
 

@@ -17,11 +17,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import tf_keras  # noqa: E402
+import numpy as np
+import tensorflow as tf
+import tf_keras
 
-import memory_saving_gradients as msg  # noqa: E402
+import memory_saving_gradients as msg
 
 
 def build(blocks: int) -> "tf_keras.Model":

@@ -18,11 +18,11 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
-import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients import profiling  # noqa: E402
+import memory_saving_gradients as msg
+from memory_saving_gradients import profiling
 
 
 def build(depth: int):

@@ -7,6 +7,7 @@ backward pass needs them.
 
 from __future__ import annotations
 
+from . import keras  # Keras 3 integration; imports Keras only when used
 from ._tensorflow import tf as _tf  # noqa: F401  (fails early, with advice, without TF)
 from .checkpointing import (
     gradients,
@@ -22,12 +23,11 @@ from .notices import (
     NothingKeptWarning,
     NothingRewrittenWarning,
 )
+from .patching import patch, patched
 from .planning import Plan
 from .profiling import peak_memory, peak_memory_by_device, peak_memory_during
 from .strategies import available as available_strategies
-from .patching import patch, patched
 from .tape import GradientTape
-from . import keras  # Keras 3 integration; imports Keras only when used
 
 __all__ = [
     "gradients",

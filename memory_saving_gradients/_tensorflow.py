@@ -1,13 +1,31 @@
-"""TensorFlow import check and references to TensorFlow's own gradient functions.
+"""The one door to TensorFlow's internals: the import check and every private symbol.
+
+Layer: bottom (imports TensorFlow and :mod:`.notices` only).
 
 TensorFlow is the user's own build (``tensorflow``, ``tensorflow-cpu``, a
 nightly, ...), so it is not a hard requirement of the package; this module
-fails at import with a message that says how to install it.  It also keeps a
-reference to TensorFlow's ``gradients`` taken at import time, before anything
-can monkeypatch it, so that this library never calls itself through a patch.
+fails at import with a message that says how to install it, and warns once
+when the installed 2.x is not the tested one (:data:`TESTED_TENSORFLOW`).
+
+Every private TensorFlow module, function and attribute the library uses is
+reached through the named functions and constants below, so that when a
+TensorFlow release moves one, this file is where to look, and
+``tests/test_tf_internals.py`` says which one moved.  The functions that
+build or change graph structure (marked *rewrite.py only*) are thin forwards
+to TensorFlow's private methods; only :mod:`.rewrite` calls them, so it stays
+the one module that decides every change to a graph.
+
+This module also keeps a reference to TensorFlow's ``gradients`` taken at
+import time, before anything can monkeypatch it, so that this library never
+calls itself through a patch.
 """
 
 from __future__ import annotations
+
+import re
+import warnings
+
+from . import notices
 
 try:
     import tensorflow as tf
@@ -19,16 +37,323 @@ except ImportError as error:  # pragma: no cover - exercised only without TF
         "`pip install memory_saving_gradients[cpu]` / `[gpu]`."
     ) from error
 
-if not tf.__version__.startswith("2."):  # pragma: no cover
-    raise ImportError(
-        f"memory_saving_gradients needs TensorFlow 2.x; found {tf.__version__}."
-    )
+# -- the supported range -------------------------------------------------------
 
+#: The TensorFlow release (major.minor) the library is tested on; pyproject.toml's
+#: extras pin the same one.
+TESTED_TENSORFLOW = "2.21"
+
+
+def version_support(version: str) -> str:
+    """How the library stands to a TensorFlow version string (pure).
+
+    ``'tested'`` for the :data:`TESTED_TENSORFLOW` release (any patch level or
+    pre-release of it), ``'untested'`` for another 2.x, ``'unsupported'`` for
+    anything else (1.x, 3.x, unparsable).
+    """
+    match = re.match(r"(\d+)\.(\d+)", version.strip())
+    if match is None or match.group(1) != "2":
+        return "unsupported"
+    return "tested" if f"2.{int(match.group(2))}" == TESTED_TENSORFLOW else "untested"
+
+
+def _check_version(version: str) -> None:
+    """Raise ImportError for an unsupported TensorFlow; warn once for an untested 2.x."""
+    support = version_support(version)
+    if support == "unsupported":
+        raise ImportError(
+            f"memory_saving_gradients needs TensorFlow 2.x (tested on {TESTED_TENSORFLOW}); "
+            f"found {version}. Install e.g. `pip install memory_saving_gradients[cpu]`."
+        )
+    if support == "untested":
+        warnings.warn(
+            f"memory_saving_gradients is tested on TensorFlow {TESTED_TENSORFLOW}; found "
+            f"{version}. It uses private TensorFlow API (all of it in "
+            "memory_saving_gradients/_tensorflow.py), which may have moved: run "
+            "tests/test_tf_internals.py to check.",
+            notices.MemorySavingGradientsWarning, stacklevel=3,
+        )
+
+
+_check_version(tf.__version__)
+
+# The private modules this shim stands between the library and (ruff: E402 allowed here).
+from tensorflow.python.client import device_lib as _device_lib
+from tensorflow.python.eager import backprop as _backprop
+from tensorflow.python.eager import backprop_util as _backprop_util
+from tensorflow.python.framework import op_def_registry as _op_def_registry
+from tensorflow.python.framework import ops as _framework_ops
+from tensorflow.python.ops import control_flow_ops as _control_flow_ops
+from tensorflow.python.ops import control_flow_state as _control_flow_state
+from tensorflow.python.ops import control_flow_util as _control_flow_util
+from tensorflow.python.ops import default_gradient as _default_gradient
 from tensorflow.python.ops import gradients_impl as _gradients_impl
+from tensorflow.python.ops import gradients_util as _gradients_util
+from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 
 #: TensorFlow's own ``tf.compat.v1.gradients``, captured before any patching.
 tf_gradients = _gradients_impl.gradients
+#: TensorFlow's own ``tf.gradients`` (the TF2 signature), captured before any patching.
+tf_gradients_v2 = _gradients_impl.gradients_v2
 
+# -- ops and graphs (read only) ----------------------------------------------------
+
+
+def op_id(op: tf.Operation) -> int:
+    """An op's creation id (``Operation._id``): unique in its graph, increasing."""
+    return op._id
+
+
+def last_op_id(graph: tf.Graph) -> int:
+    """Creation id of the newest op of ``graph`` (0 for an empty graph).
+
+    Where the graph keeps its ops in a dict by id (``Graph._nodes_by_id``, in
+    creation order: TensorFlow before 2.13's C++ graph) it is the dict's last
+    key; otherwise (TensorFlow 2.21: an unordered C++ map) it is the id of the
+    last op of :meth:`tf.Graph.get_operations`, which lists ops in creation
+    order.
+    """
+    nodes = getattr(graph, "_nodes_by_id", None)
+    if isinstance(nodes, dict):
+        return next(reversed(nodes), 0)
+    ops = graph.get_operations()
+    return op_id(ops[-1]) if ops else 0
+
+
+def control_flow_context(op: tf.Operation):
+    """The innermost v1 control-flow (or XLA) context ``op`` was made in, or None."""
+    return op._control_flow_context
+
+
+def graph_control_flow_context(graph: tf.Graph):
+    """The control-flow context ops made in ``graph`` now would get, or None."""
+    return graph._get_control_flow_context()
+
+
+def is_function_call(op: tf.Operation) -> bool:
+    """Whether ``op`` calls a function of its graph's library by name (no OpDef of its own)."""
+    return op.graph._is_function(op.type)
+
+
+def is_ref_dtype(dtype: tf.DType) -> bool:
+    """Whether ``dtype`` is a v1 reference type (``float32_ref``, ...)."""
+    return dtype._is_ref_dtype
+
+
+def in_xla_context(graph: tf.Graph) -> bool:
+    """Whether ops added to ``graph`` now are inside an XLA context (``jit_compile=True``
+    functions and their nested bodies, v1 ``xla.compile``)."""
+    return _control_flow_util.GraphOrParentsInXlaContext(graph)
+
+
+def is_registered_op_type(op_type: str) -> bool:
+    """Whether TensorFlow's op registry knows ``op_type``."""
+    return _op_def_registry.get(op_type) is not None
+
+
+def op_def(op_type: str):
+    """The registered ``OpDef`` of ``op_type``, or None."""
+    return _op_def_registry.get(op_type)
+
+
+# -- gradients: TensorFlow's rules and registry ---------------------------------------
+
+
+def is_trainable(tensor: tf.Tensor) -> bool:
+    """``backprop_util.IsTrainable``: whether a gradient flows through ``tensor``."""
+    return _backprop_util.IsTrainable(tensor)
+
+
+def supports_default_grad(tensor: tf.Tensor) -> bool:
+    """Whether ``tf.gradients`` fills zeros for ``tensor`` when no gradient reaches it."""
+    return _default_gradient.supports_default_grad(tensor)
+
+
+def gradient_function(op: tf.Operation):
+    """The gradient function ``tf.gradients`` uses for ``op`` (None when ``tf.no_gradient``;
+    LookupError when none is registered), looked up through the module attribute that
+    ``tf.gradients`` itself calls (so it sees :func:`replace_gradient_function_lookup`)."""
+    return _framework_ops.get_gradient_function(op)
+
+
+#: TensorFlow's own ``ops.get_gradient_function``, captured at import.
+ORIGINAL_GRADIENT_FUNCTION_LOOKUP = _framework_ops.get_gradient_function
+
+
+def replace_gradient_function_lookup(lookup) -> None:
+    """Make ``tf.gradients`` find gradient functions through ``lookup(op)`` (pass
+    :data:`ORIGINAL_GRADIENT_FUNCTION_LOOKUP` to put TensorFlow's back)."""
+    _framework_ops.get_gradient_function = lookup
+
+
+def registered_gradient(op_type: str):
+    """The gradient function registered for ``op_type``, or None (also for
+    ``tf.no_gradient`` types)."""
+    try:
+        return _framework_ops.gradient_registry.lookup(op_type)
+    except LookupError:
+        return None
+
+
+def gradient_override(op: tf.Operation):
+    """``Operation._gradient_function``: the per-op gradient that wins over the registry."""
+    return op._gradient_function
+
+
+def set_gradient_override(op: tf.Operation, function) -> None:
+    """Set ``Operation._gradient_function`` (*rewrite.py only*)."""
+    op._gradient_function = function
+
+
+def zeros_like_output(op: tf.Operation, index: int) -> tf.Tensor:
+    """``tf.gradients``' zeros for an unused output of ``op`` (``control_flow_state.ZerosLike``)."""
+    return _control_flow_state.ZerosLike(op, index)
+
+
+def zeros_like_unconnected(x: tf.Tensor) -> tf.Tensor:
+    """``tf.gradients``' zeros for an unconnected ``x`` (``gradients_util._ZerosLike``)."""
+    return _gradients_util._ZerosLike(x)
+
+
+def default_grad_ys(grad_ys: list, ys: list, colocate_gradients_with_ops: bool, uid: str) -> list:
+    """``gradients_util._DefaultGradYs``: ones where ``grad_ys`` is None, and its checks."""
+    return _gradients_util._DefaultGradYs(grad_ys, ys, colocate_gradients_with_ops, uid)
+
+
+#: ``control_flow_ops.tuple``: gradients joined so that none is ready before all are.
+gated_tuple = _control_flow_ops.tuple
+
+# -- graph building scopes and op construction (rewrite.py only) ------------------------
+
+#: TensorFlow's graph-building scopes as ``tf.gradients`` uses them (v1 semantics:
+#: ``device(None)`` and ``control_dependencies(None)`` clear what is inherited).
+name_scope = _framework_ops.name_scope
+device_scope = _framework_ops.device
+control_dependencies = _framework_ops.control_dependencies
+colocate_with = _framework_ops.colocate_with
+
+
+def colocate_with_for_gradient(op: tf.Operation, uid: str):
+    """``ops._colocate_with_for_gradient``: the scope ``colocate_gradients_with_ops`` uses."""
+    return _framework_ops._colocate_with_for_gradient(op, uid)
+
+
+def original_op_scope(graph: tf.Graph, op: tf.Operation):
+    """``Graph._original_op``: ops made inside record ``op`` as the one they stand for."""
+    return graph._original_op(op)
+
+
+def set_graph_control_flow_context(graph: tf.Graph, context) -> None:
+    """Set the control-flow context of the ops ``graph`` makes next (*rewrite.py only*)."""
+    graph._set_control_flow_context(context)
+
+
+def create_op(graph: tf.Graph, op_type: str, inputs: list, **kwargs) -> tf.Operation:
+    """``Graph._create_op_internal``: a new op from exact inputs, dtypes, attrs and OpDef
+    (*rewrite.py only*)."""
+    return graph._create_op_internal(op_type, inputs, **kwargs)
+
+
+def set_op_device(op: tf.Operation, device) -> None:
+    """``Operation._set_device`` (*rewrite.py only*)."""
+    op._set_device(device)
+
+
+def add_control_inputs(op: tf.Operation, ops: list) -> None:
+    """``Operation._add_control_inputs``, without marking the waited-for ops
+    (*rewrite.py only*)."""
+    op._add_control_inputs(ops)
+
+
+# -- variables ------------------------------------------------------------------------
+
+
+def is_resource_variable(value) -> bool:
+    """Whether TensorFlow treats ``value`` as a resource variable (``tf.Variable``, Keras
+    variables, ``AutoCastVariable``, distributed variables)."""
+    return _resource_variable_ops.is_resource_variable(value)
+
+
+# -- GradientTape internals ---------------------------------------------------------------
+
+#: The class every ``tf.GradientTape`` name and subclass shares.
+GRADIENT_TAPE = _backprop.GradientTape
+
+
+def tape_is_used_up(tape) -> bool:
+    """Whether a tape has given its one gradient (non-persistent) and holds no record."""
+    return tape._tape is None
+
+
+def tape_is_recording(tape) -> bool:
+    """Whether ``tape`` is inside its ``with`` block and not under ``stop_recording``."""
+    return tape._recording
+
+
+def tape_is_persistent(tape) -> bool:
+    """``tape``'s ``persistent=`` argument."""
+    return tape._persistent
+
+
+def stop_tape(tape) -> None:
+    """End ``tape``'s recording as leaving its ``with`` block does (``_pop_tape``)."""
+    tape._pop_tape()
+
+
+def release_tape(tape) -> None:
+    """Use up a non-persistent tape as its ``gradient()`` does: keep its watched
+    variables, drop its record."""
+    tape._watched_variables = tape._tape.watched_variables()
+    tape._tape = None
+
+
+# -- tf.function internals (recovery after a failed first trace) -----------------------------
+
+
+def _first_trace_code():
+    try:
+        from tensorflow.python.eager.polymorphic_function import (
+            polymorphic_function as _polymorphic_function,
+        )
+
+        return _polymorphic_function.Function._initialize.__code__
+    except (ImportError, AttributeError):  # pragma: no cover  (another TensorFlow layout)
+        return None
+
+
+#: Code object of ``tf.function``'s first-trace method (``Function._initialize``), or None.
+FIRST_TRACE_CODE = _first_trace_code()
+
+
+def function_first_trace_done(function) -> bool:
+    """Whether a ``tf.function``'s first trace completed."""
+    return getattr(function, "_concrete_variable_creation_fn", None) is not None
+
+
+def function_created_variables(function) -> list:
+    """Weak references to the variables a ``tf.function``'s first trace created."""
+    return getattr(function, "_created_variables", None) or []
+
+
+def forget_first_trace(function) -> None:
+    """Set a ``tf.function`` whose first trace failed back to never traced."""
+    function._created_variables = None
+    function._variable_creation_config = None
+    function._no_variable_creation_config = None
+
+
+# -- devices and kernels ----------------------------------------------------------------------
+
+
+def gpu_visible() -> bool:
+    """Whether TensorFlow sees a GPU in this process."""
+    return bool(tf.config.list_physical_devices("GPU"))
+
+
+def gpu_memory_limits() -> list:
+    """The ``memory_limit`` (bytes) TensorFlow's allocator has on each local GPU, in order."""
+    return [int(d.memory_limit) for d in _device_lib.list_local_devices()
+            if d.device_type == "GPU"]
 
 
 def onednn_enabled() -> bool:
@@ -47,4 +372,18 @@ def onednn_enabled() -> bool:
     return True if probe is None else bool(probe())
 
 
-__all__ = ["tf", "tf_gradients", "onednn_enabled"]
+# -- where patching finds TensorFlow's gradients ------------------------------------------------
+
+#: Importable modules whose ``gradients`` attribute TensorFlow's own code calls (not
+#: reached from ``tf``): ``tf.compat.v1.train.Optimizer.compute_gradients`` calls
+#: ``gradients.gradients`` of this module, with the v1 signature.
+PRIVATE_GRADIENT_SLOTS = (("tensorflow.python.ops.gradients", "gradients", "v1"),)
+
+
+def defines_tf_gradients(module) -> bool:
+    """Whether ``module`` is the one that defines TensorFlow's ``gradients`` functions."""
+    return module is _gradients_impl
+
+
+__all__ = [name for name in dir() if not name.startswith("_") and name not in (
+    "annotations", "re", "warnings", "notices")]

@@ -35,14 +35,18 @@ class PeakModel:
     """Predicted peaks of a plan and of plain ``tf.gradients`` at any batch size.
 
     ``fetched``: the gradients of xs stay alive to the end of the step, as
-    :class:`planning.Plan` reports them (see :func:`simulate.predict_baseline`).
+    :class:`planning.Plan` reports them (see :func:`simulate.predict_baseline`);
+    ``stops``: the ``stop_gradients``; ``schedule``: the plan's backward schedule,
+    when already worked out (it is the same at every batch).
     """
 
     def __init__(self, region, ys: Sequence, xs: Sequence, checkpoints: Sequence,
-                 fetched: bool = True):
+                 fetched: bool = True, stops: Sequence = (), schedule=None):
         self.region, self.ys, self.xs = region, list(ys), list(xs)
         self.checkpoints = list(checkpoints)
         self.fetched = fetched
+        self.stops = list(stops)
+        self.schedule = schedule
         self._peaks: dict = {}
 
     def peak_at(self, batch: int, plain: bool = False) -> int:
@@ -59,7 +63,7 @@ class PeakModel:
             if self.checkpoints:
                 self._peaks[(batch, False)] = simulate.predict_checkpointed(
                     self.region, self.ys, self.xs, self.checkpoints, batch, self.fetched,
-                    sizer).peak_bytes
+                    sizer, self.stops, self.schedule).peak_bytes
             else:  # nothing kept: plain tf.gradients
                 self._peaks[(batch, False)] = baseline.peak_bytes
         return self._peaks[key]

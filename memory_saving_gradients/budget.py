@@ -30,6 +30,17 @@ def _suffix_sums(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.cumsum(values[::-1])[::-1], [0.0]])
 
 
+def _pruned_columns(entries, held_only: bool) -> tuple:
+    """Positions, work and bytes (held bytes if ``held_only``) of ``(position, work,
+    bytes, held bytes)`` entries (``cuts.PrunedOp``), as arrays."""
+    where, work, size = [], [], []
+    for position, op_work, nbytes, held in entries:
+        where.append(position)
+        work.append(op_work)
+        size.append(held if held_only else nbytes)
+    return np.array(where, dtype=np.int64), np.array(work, dtype=float), np.array(size, dtype=float)
+
+
 class CutProblem:
     """The numbers the dynamic program needs, built once from ``cuts.Cuts``.
 
@@ -64,9 +75,7 @@ class CutProblem:
         none = (np.zeros(0, dtype=np.int64), np.zeros(1), np.zeros(1))
         self.pruned = [none]
         for entries in cuts.pruned:
-            where = np.array([e[0] for e in entries], dtype=np.int64)
-            work = np.array([e[1] for e in entries], dtype=float)
-            size = np.array([e[3 if held_only else 2] for e in entries], dtype=float)
+            where, work, size = _pruned_columns(entries, held_only)
             self.pruned.append((where, _suffix_sums(work), _suffix_sums(size)))
         self.pruned.append(none)
         self._rows: dict = {}
@@ -233,24 +242,32 @@ def _minimax_peak(problem: CutProblem, quantum: float, levels: int,
     return float(best[n - 1].min())
 
 
+#: When :func:`smallest_budget`'s estimate is infeasible for :func:`least_recompute`,
+#: the budget rises by this factor at a time (4% steps) until one is feasible.
+FLOOR_RISE = 1.04
+#: The bisection below the first feasible budget goes down to this fraction of the
+#: estimate: the minimax program rounds up, so far lower budgets were never
+#: feasible on the benchmark models.
+FLOOR_LOWEST = 0.9
+
+
 def refine_floor(problem: CutProblem, estimate: float, steps: int = 2, levels: int = 120,
                  max_rise: float = 1.5) -> tuple:
     """The least budget :func:`least_recompute` finds feasible, near ``estimate``.
 
     The two programs quantise differently, so ``estimate`` (from
-    :func:`smallest_budget`) may be infeasible here: budgets then rise by 4%
-    at a time, up to ``max_rise`` times it.  Then ``steps`` bisections below
-    the first feasible budget (down to 10% below ``estimate``: the minimax
-    program rounds up, so far lower budgets were never feasible on the
-    benchmark models).  Returns ``(budget, solution)``, the solution None if
+    :func:`smallest_budget`) may be infeasible here: budgets then rise by
+    ``FLOOR_RISE`` at a time, up to ``max_rise`` times it.  Then ``steps``
+    bisections below the first feasible budget, down to ``FLOOR_LOWEST`` of
+    ``estimate``.  Returns ``(budget, solution)``, the solution None if
     nothing up to the rise was feasible.
     """
-    upper, lower = estimate, 0.9 * estimate
+    upper, lower = estimate, FLOOR_LOWEST * estimate
     solution = least_recompute(problem, upper, levels)
     while solution is None:
         if upper >= max_rise * estimate:
             return upper, None
-        lower, upper = upper, upper * 1.04
+        lower, upper = upper, upper * FLOOR_RISE
         solution = least_recompute(problem, upper, levels)
     for _ in range(steps):
         middle = (lower + upper) / 2

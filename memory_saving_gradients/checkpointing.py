@@ -2,12 +2,13 @@
 
 Data flows one way: arguments are checked, the forward region between
 ``xs`` and ``ys`` is found (:mod:`.graph`), checkpoints are chosen (a list or
-a strategy from :mod:`.strategies`), and the backward pass is built segment
-by segment: each kept tensor, in reverse topological order, has the ops
-between it and the earlier kept tensors copied (:mod:`.rewrite`) and
-differentiated with TensorFlow's own ``gradients``, after the gradient
-flowing into it is complete.  Copies wait (control inputs) for that
-gradient, so recomputation happens just before it is needed.
+a strategy from :mod:`.strategies`), and the backward pass is built step
+by step, in the order of :func:`.schedule.backward_schedule` (the one the
+memory model replays): each step has the ops between its kept tensors and the
+earlier kept tensors copied (:mod:`.rewrite`) and differentiated with
+TensorFlow's own ``gradients``, after the gradient flowing into it is
+complete.  Copies wait (control inputs) for that gradient, so recomputation
+happens just before it is needed.
 """
 
 from __future__ import annotations
@@ -20,21 +21,13 @@ import numbers
 import warnings
 from typing import Sequence, Union
 
-from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
-
-from ._tensorflow import onednn_enabled, tf, tf_gradients
 from . import batch as batch_lib
 from . import graph as graph_lib
-from . import guard
-from . import memo
+from . import guard, memo, notices, planning, recovery, reporting, rewrite, simulate, strategies
+from . import schedule as schedule_lib
 from ._nesting import Nesting
-from . import notices
-from . import planning
-from . import recovery
-from . import reporting
-from . import rewrite
-from . import simulate
-from . import strategies
+from ._tensorflow import gpu_visible, onednn_enabled, tf, tf_gradients
+from ._tensorflow import is_resource_variable as _is_resource_variable
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -132,9 +125,7 @@ def _gradients(
     with _inside_gradients:
         problem = _prepare(ys, xs)
         with problem.graph.as_default():
-            stops = (
-                _tensor_list(stop_gradients, "stop_gradients") if stop_gradients is not None else []
-            )
+            stops = _stop_list(stop_gradients)
             grad_ys_list = _grad_ys_list(grad_ys, problem.ys)
             chosen = choose_checkpoints(
                 checkpoints, problem.ys, problem.xs, problem.region, problem.graph,
@@ -145,13 +136,15 @@ def _gradients(
             _warn_unmodelled_workspaces(problem.region)
             logger.debug("checkpoints: %s", [t.name for t in chosen])
             with tf.name_scope(name or "gradients"):
-                results = _backprop(
+                results = _backprop(_Request(
                     problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops,
-                    unconnected, colocate_gradients_with_ops, gate_gradients, aggregation_method,
-                )
+                    _GradientOptions(colocate_gradients_with_ops, gate_gradients,
+                                     aggregation_method, unconnected),
+                ))
             if reporting.wanted():
                 reporting.rewrote(
-                    _plan_of(checkpoints, problem, chosen, memory_budget, batch_size), problem.graph
+                    _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops),
+                    problem.graph,
                 )
             return results
 
@@ -164,14 +157,20 @@ def plan(
     memory_budget: int | None = None,
     grad_ys=None,
     batch_size: int | None = None,
+    stop_gradients=None,
 ) -> planning.Plan:
-    """What ``gradients(ys, xs, grad_ys, checkpoints, memory_budget=..., batch_size=...)`` would do.
+    """What ``gradients(ys, xs, grad_ys, checkpoints, memory_budget=..., batch_size=...,
+    stop_gradients=...)`` would do.
 
-    Returns a :class:`Plan` with the checkpoints and the memory model's
-    predicted peaks (with them, and for plain ``tf.gradients``) and the
-    recomputation they cost.  Builds nothing in the graph.  ``grad_ys`` does
-    not change the plan; it is accepted so that calls can mirror
-    ``gradients()``.
+    Returns a :class:`Plan` with the checkpoints, the memory model's predicted
+    peaks (with them, and for plain ``tf.gradients``), the recomputation they
+    cost and the backward schedule (``Plan.schedule``) that ``gradients()``
+    builds.  Builds nothing in the graph.  ``grad_ys`` does not change the plan;
+    it is accepted so that calls can mirror ``gradients()``.  ``gradients()``'
+    other options (``name``, ``colocate_gradients_with_ops``, ``gate_gradients``,
+    ``aggregation_method``, ``unconnected_gradients``) change how each step's
+    gradients are taken, not the schedule or the memory model, and are not
+    parameters here.
     """
     if tf.executing_eagerly():
         raise RuntimeError("plan() works on graphs: call it inside a tf.function or a v1 graph.")
@@ -179,32 +178,53 @@ def plan(
     problem = _prepare(ys, xs)
     _grad_ys_list(grad_ys, problem.ys)
     with problem.graph.as_default():
+        stops = _stop_list(stop_gradients)
         chosen = choose_checkpoints(
             checkpoints, problem.ys, problem.xs, problem.region, problem.graph,
             memory_budget, batch_size,
         )
-    return _plan_of(checkpoints, problem, chosen or [], memory_budget, batch_size)
+    return _plan_of(checkpoints, problem, chosen or [], memory_budget, batch_size, stops)
 
 
-def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size) -> planning.Plan:
-    """The :class:`Plan` of ``chosen``; its figures are remembered with the
-    checkpoints (:mod:`.memo`), so that a retrace predicts nothing again."""
+def _stop_list(stop_gradients) -> list:
+    """``stop_gradients`` as a list of tensors (checked as :func:`gradients` checks it)."""
+    if stop_gradients is None:
+        return []
+    return _tensor_list(stop_gradients, "stop_gradients")
+
+
+def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=()) -> planning.Plan:
+    """The :class:`Plan` of ``chosen`` (and ``stop_gradients=stops``); its figures are
+    remembered with the checkpoints (:mod:`.memo`), so that a retrace predicts nothing
+    again."""
     strategy = checkpoints if isinstance(checkpoints, str) else "list"
     unknown = graph_lib.has_unknown_dims(problem.region)
     batch_size, batch_note = _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown)
+    schedule = schedule_lib.backward_schedule(
+        problem.region, problem.ys, problem.xs, chosen, stops)
 
     def make():
         return planning.make_plan(
             problem.ys, problem.xs, problem.region, chosen, strategy,
-            _unknown_dim(batch_size), onednn_enabled(), _gpu_visible(),
-            batch_known=not unknown, batch_note=batch_note,
+            _unknown_dim(batch_size), onednn_enabled(), gpu_visible(),
+            batch_known=not unknown, batch_note=batch_note, stops=stops, schedule=schedule,
         )
 
     key = _memo_key(checkpoints, memory_budget, _planning_dim(batch_size, unknown),
                     problem.region, problem.ys, problem.xs)
     if key is None:
         return make()
-    return memo.remembered_plan(key, chosen, make)
+    return memo.remembered_plan(key + _stops_key(stops, problem.region), chosen, make, schedule)
+
+
+def _stops_key(stops, region) -> tuple:
+    """What of ``stop_gradients`` a plan's figures depend on: the places in the region
+    of the stops it produces (those outside it change no step); ``()`` for none."""
+    inside = [t for t in stops if t.op in region]
+    if not inside:
+        return ()
+    position = {op: i for i, op in enumerate(region.order)}
+    return (tuple(sorted({(position[t.op], t.value_index) for t in inside})),)
 
 
 def _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown) -> tuple:
@@ -295,10 +315,6 @@ def _check_option_values(checkpoints, memory_budget, batch_size) -> None:
             )
 
 
-def _gpu_visible() -> bool:
-    return bool(tf.config.list_physical_devices("GPU"))
-
-
 _warned_workspaces = False
 
 
@@ -308,7 +324,7 @@ def _warn_unmodelled_workspaces(region) -> None:
     global _warned_workspaces
     if _warned_workspaces:
         return
-    note = simulate.workspace_note(region, onednn_enabled(), _gpu_visible())
+    note = simulate.workspace_note(region, onednn_enabled(), gpu_visible())
     if note:
         _warned_workspaces = True
         logger.warning("%s.", note[0])
@@ -522,205 +538,270 @@ def usable_checkpoints(candidates, ys, xs, region) -> list:
     return sorted(usable.values(), key=graph_lib.tensor_order)
 
 
+@dataclasses.dataclass(frozen=True)
+class _GradientOptions:
+    """How TensorFlow's gradients are taken: the options of :func:`gradients` they pass on."""
+
+    colocate_gradients_with_ops: bool
+    gate_gradients: bool
+    aggregation_method: object
+    unconnected: tf.UnconnectedGradients
+
+    def for_tf_gradients(self) -> dict:
+        """The keyword arguments every ``tf.gradients`` call of the backward pass takes."""
+        return dict(
+            colocate_gradients_with_ops=self.colocate_gradients_with_ops,
+            gate_gradients=self.gate_gradients,
+            aggregation_method=self.aggregation_method,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """One checkpointed backward pass: what :func:`gradients` was asked, checked."""
+
+    ys: list
+    xs: list
+    grad_ys: list
+    region: graph_lib.ForwardRegion
+    checkpoints: list
+    stops: list
+    options: _GradientOptions
+
+
 def _guarded(backprop):
     """``backprop``, checked by :mod:`.guard`: where its gradients' structure differs
     from ``tf.gradients``' (or it fails inside), plain ``tf.gradients``' own, with a
     :class:`~.notices.FallbackWarning`."""
 
     @functools.wraps(backprop)
-    def checked(ys, xs, grad_ys, region, checkpoints, stops, unconnected,
-                colocate_gradients_with_ops, gate_gradients, aggregation_method):
+    def checked(request: _Request) -> list:
+        options = request.options
+
         def plain():
             return tf_gradients(
-                ys, xs, grad_ys, name="fallback",
-                colocate_gradients_with_ops=colocate_gradients_with_ops,
-                gate_gradients=gate_gradients, aggregation_method=aggregation_method,
-                stop_gradients=list(stops) or None, unconnected_gradients=unconnected,
+                request.ys, request.xs, request.grad_ys, name="fallback",
+                **options.for_tf_gradients(),
+                stop_gradients=list(request.stops) or None,
+                unconnected_gradients=options.unconnected,
             )
 
         return guard.guarded_gradients(
-            lambda: backprop(ys, xs, grad_ys, region, checkpoints, stops, unconnected,
-                             colocate_gradients_with_ops, gate_gradients, aggregation_method),
-            plain, ys[0].graph, ys, xs, grad_ys, stops, unconnected,
+            lambda: backprop(request), plain, request.ys[0].graph, request.ys, request.xs,
+            request.grad_ys, request.stops, options.unconnected,
         )
 
     return checked
 
 
 @_guarded
-def _backprop(
-    ys, xs, grad_ys, region, checkpoints, stops, unconnected,
-    colocate_gradients_with_ops, gate_gradients, aggregation_method,
-) -> list:
-    kept = graph_lib.boundary_tensors(region, ys, xs, checkpoints)
-    # gradients are only computed for kept tensors from which one can reach xs
-    carriers = graph_lib.gradient_carriers(
-        region, xs, rewrite.blocks_gradients, rewrite.is_trainable
-    )
-    contributions: dict = {}
-    totals: dict = {}
+def _backprop(request: _Request) -> list:
+    """The gradients of ``request``: the steps of its backward schedule, built in order."""
+    schedule = schedule_lib.backward_schedule(
+        request.region, request.ys, request.xs, request.checkpoints, request.stops)
+    reporting.scheduled(schedule)
+    backward = _BackwardPass(request, schedule)
+    for step in schedule.steps:
+        backward.take(step)
+    return backward.results()
 
-    def total(t):
-        key = t.ref()
-        if key not in totals:
-            parts = contributions.get(key)
-            totals[key] = (
+
+class _Contributions:
+    """Gradient contributions to kept tensors, each tensor's summed once, when first read.
+
+    ``open`` tensors (not xs: only the final sums read theirs) have contributions
+    not summed yet: the gradients later steps will read.
+    """
+
+    def __init__(self, options: _GradientOptions):
+        self._options = options
+        self._parts: dict = {}  # ref -> contributions, in the order they came
+        self._totals: dict = {}  # ref -> their sum (or None), once read
+        self._open: dict = {}  # refs with contributions not summed yet, in order
+
+    def add(self, tensor: tf.Tensor, gradient, still_read: bool = True) -> None:
+        """One contribution to ``tensor``'s gradient; ``still_read``: a later step reads it."""
+        if tensor.ref() in self._totals:
+            raise AssertionError(f"gradient of {tensor.name} was summed before it was complete")
+        self._parts.setdefault(tensor.ref(), []).append(gradient)
+        if still_read:
+            self._open.setdefault(tensor.ref(), True)
+
+    def has(self, tensor: tf.Tensor) -> bool:
+        return bool(self._parts.get(tensor.ref()))
+
+    def total(self, tensor: tf.Tensor):
+        """The sum of ``tensor``'s contributions (None without any); no more may come."""
+        key = tensor.ref()
+        if key not in self._totals:
+            parts = self._parts.get(key)
+            self._totals[key] = (
                 rewrite.sum_gradients(
-                    parts, t.op if colocate_gradients_with_ops else None, aggregation_method
+                    parts, tensor.op if self._options.colocate_gradients_with_ops else None,
+                    self._options.aggregation_method,
                 )
                 if parts else None
             )
-            open_keys.pop(key, None)
-        return totals[key]
+            self._open.pop(key, None)
+        return self._totals[key]
 
-    # kept tensors (not xs: only the final sums read theirs) with contributions not
-    # summed yet: the gradients later segments will read
-    open_keys: dict = {}
-    x_keys = {x.ref() for x in xs}
-
-    # Where ys is not fetched, grappler reduces the forward ops above the last
-    # checkpoint to their ordering and moves a wait on ys (or on the ones of the
-    # default grad_ys, which wait for ys' shape) onto that checkpoint's op, whose only
-    # reader may then be a copy: a proxy beside that copy must not wait for them.
-    top_waits = {y.op for y in ys}
-    for y, g in zip(ys, rewrite.default_grad_ys(grad_ys, ys, colocate_gradients_with_ops)):
-        contributions.setdefault(y.ref(), []).append(g)
-        open_keys.setdefault(y.ref(), True)
-        top_waits.update(part.op for part in rewrite.tensors_of(g))
-
-    stop_ops = {t.op for t in stops}
-    differentiated: set = set()
-    # A v1 while_loop/cond is one group (its last op stands for it), kept and
-    # differentiated whole: its inner tensors are never targets.
-    constructs = graph_lib.control_flow_constructs(region)
-    producers = {
-        constructs[t.op][-1] if t.op in constructs else t.op
-        for t in kept.values() if t.op in region
-    }
-    groups = graph_lib.backward_groups(
-        region, kept, producers,
-        isolated=frozenset(op for op in producers if op in constructs or op in stop_ops),
-    )
-    previous_results: list = []
-    readers = _ReadersOfPendingGradients(ys[0].graph)
-    # XLA drops control inputs: there, recomputed inputs also depend on the
-    # incoming gradient through data (see rewrite.proxies).
-    for_xla = graph_lib.builds_for_xla(ys[0].graph)
-    for index, (group, segment) in enumerate(groups):
-        op = group[-1]
-        members = [m for g in group for m in constructs.get(g, (g,))]
-        targets = [
-            t for member in members for t in member.outputs
-            if t.ref() in kept and contributions.get(t.ref())
+    def pending(self) -> list:
+        """The gradient tensors that steps not yet built will read."""
+        return [
+            part for key in self._open for g in self._parts[key]
+            for part in rewrite.tensors_of(g)
         ]
-        if not targets or op in stop_ops:
-            continue
-        differentiated.update(group)
-        target_grads = [total(t) for t in targets]
-        if op in constructs:
-            segment = graph_lib.construct_segment(members, targets, kept)
+
+
+class _BackwardPass:
+    """Builds the steps of a backward schedule in order, and the gradients of xs at the end.
+
+    Ordering: every copy and every new gradient op of a step waits (control
+    inputs) for the gradients flowing into its targets, and a recomputation also
+    waits for the previous recomputed step's gradients, where that closes no cycle
+    (:class:`_ReadersOfPendingGradients`).
+    """
+
+    def __init__(self, request: _Request, schedule: schedule_lib.Schedule):
+        self._request = request
+        self._options = request.options
+        self._schedule = schedule
+        self._sums = _Contributions(request.options)
+        self._x_keys = {x.ref() for x in request.xs}
+        self._differentiated: set = set()  # the ops of the groups differentiated
+        self._previous_results: list = []  # the ops of the last recomputed step's gradients
+        graph = request.ys[0].graph
+        self._readers = _ReadersOfPendingGradients(graph)
+        # XLA drops control inputs: there, recomputed inputs also depend on the
+        # incoming gradient through data (see rewrite.proxies).
+        self._for_xla = graph_lib.builds_for_xla(graph)
+        self._top_waits = self._seed_ys()
+
+    def _seed_ys(self) -> set:
+        """Adds the gradients of ys (grad_ys, or ones); returns the ops a variable's proxy
+        must not wait for.
+
+        Where ys is not fetched, grappler reduces the forward ops above the last
+        checkpoint to their ordering and moves a wait on ys (or on the ones of the
+        default grad_ys, which wait for ys' shape) onto that checkpoint's op, whose only
+        reader may then be a copy: a proxy beside that copy must not wait for them.
+        """
+        ys = self._request.ys
+        top_waits = {y.op for y in ys}
+        defaults = rewrite.default_grad_ys(
+            self._request.grad_ys, ys, self._options.colocate_gradients_with_ops)
+        for y, g in zip(ys, defaults):
+            self._sums.add(y, g)
+            top_waits.update(part.op for part in rewrite.tensors_of(g))
+        return top_waits
+
+    def take(self, step: schedule_lib.Step) -> None:
+        """Builds one step, if a gradient reaches one of its targets."""
+        targets = [t for t in step.targets if self._sums.has(t)]
+        if not targets:
+            return
+        self._differentiated.update(step.group)
+        target_grads = [self._sums.total(t) for t in targets]
         incoming = [part for g in target_grads for part in rewrite.tensors_of(g)]
-        waits = [t.op for t in targets] + [part.op for part in incoming] + readers.safe_to_wait_for(
-            previous_results, incoming + _pending_gradients(contributions, open_keys)
-        )
-        if segment.recompute:
-            # variants too: a loop hands its TensorArrays/TensorLists out through them
-            trainable = [t for t in segment.inputs if graph_lib.carries_gradient(t)]
-            segment_inputs = [t for t in trainable if t.ref() in carriers]
-            if not segment_inputs:
-                continue
-            # variables' values do not wait for ys or their default grad_ys (see
-            # top_waits): grappler may move those waits onto the last checkpoint
-            variables = [t for t in trainable if graph_lib.reads_a_variable(t)]
-            inputs = rewrite.proxies(
-                [t for t in trainable if not graph_lib.reads_a_variable(t)],
-                f"recompute_{index}/inputs", waits,
-                data_after=target_grads if for_xla else (),
-            )
-            inputs.update(rewrite.proxies(
-                variables, f"recompute_{index}/inputs",
-                [op for op in waits if op not in top_waits],
-                data_after=target_grads if for_xla else (),
-            ))
-            copies = rewrite.copy_ops(segment.ops, inputs, waits, f"recompute_{index}")
-            # each copy's input gradients are released together, so that the
-            # executor frees the recomputed tensors in the order simulated
-            # (XLA drops control inputs: nothing to gate there)
-            gated = () if for_xla else {t.op for t in copies.values()}
-            try:
-                with rewrite.gated_gradients(gated):
-                    input_grads = tf_gradients(
-                        [copies[t.ref()] for t in targets],
-                        [inputs[t.ref()] for t in segment_inputs],
-                        grad_ys=target_grads,
-                        name=f"backprop_{index}",
-                        colocate_gradients_with_ops=colocate_gradients_with_ops,
-                        gate_gradients=gate_gradients,
-                        aggregation_method=aggregation_method,
-                        stop_gradients=list(inputs.values()) + [copies.get(s.ref(), s) for s in stops],
-                    )
-            except LookupError as error:
-                raise _naming_original(error, segment.ops, copies) from error
-        elif graph_lib.is_differentiable_in_place(op):
-            with tf.name_scope(f"backprop_{index}"):
-                by_output = {t.ref(): g for t, g in zip(targets, target_grads)}
-                input_grads = rewrite.op_gradients(
-                    op, [by_output.get(t.ref()) for t in op.outputs],
-                    gate_gradients, colocate_gradients_with_ops,
-                )
-            segment_inputs = list(op.inputs)
+        waits = [t.op for t in targets] + [part.op for part in incoming] + (
+            self._readers.safe_to_wait_for(
+                self._previous_results, incoming + self._sums.pending()))
+        if not step.inputs:
+            return  # no gradient of it reaches an x
+        if step.handling == schedule_lib.RECOMPUTED:
+            input_grads = self._recompute(step, targets, target_grads, waits)
+        elif step.handling == schedule_lib.IN_PLACE:
+            input_grads = self._in_place(step, targets, target_grads)
         else:
-            segment_inputs = [t for t in segment.inputs if t.ref() in carriers]
-            if not segment_inputs:
-                continue
-            input_grads = tf_gradients(
-                targets,
-                segment_inputs,
-                grad_ys=target_grads,
-                name=f"backprop_{index}",
-                colocate_gradients_with_ops=colocate_gradients_with_ops,
-                gate_gradients=gate_gradients,
-                aggregation_method=aggregation_method,
-                stop_gradients=list(segment.inputs) + list(stops),
+            input_grads = self._whole(step, targets, target_grads)
+        self._collect(step.inputs, input_grads)
+
+    def _recompute(self, step, targets, target_grads, waits) -> list:
+        """Copies the step's segment (the copies wait for ``waits``) and differentiates them."""
+        index = step.index
+        stops = self._request.stops
+        data_after = target_grads if self._for_xla else ()
+        # variables' values do not wait for ys or their default grad_ys (see
+        # _seed_ys): grappler may move those waits onto the last checkpoint
+        variables = [t for t in step.trainable_inputs if graph_lib.reads_a_variable(t)]
+        inputs = rewrite.proxies(
+            [t for t in step.trainable_inputs if not graph_lib.reads_a_variable(t)],
+            f"recompute_{index}/inputs", waits, data_after=data_after,
+        )
+        inputs.update(rewrite.proxies(
+            variables, f"recompute_{index}/inputs",
+            [op for op in waits if op not in self._top_waits], data_after=data_after,
+        ))
+        copies = rewrite.copy_ops(step.segment.ops, inputs, waits, f"recompute_{index}")
+        # each copy's input gradients are released together, so that the
+        # executor frees the recomputed tensors in the order simulated
+        # (XLA drops control inputs: nothing to gate there)
+        gated = () if self._for_xla else {t.op for t in copies.values()}
+        try:
+            with rewrite.gated_gradients(gated):
+                input_grads = tf_gradients(
+                    [copies[t.ref()] for t in targets],
+                    [inputs[t.ref()] for t in step.inputs],
+                    grad_ys=target_grads,
+                    name=f"backprop_{index}",
+                    **self._options.for_tf_gradients(),
+                    stop_gradients=list(inputs.values()) + [copies.get(s.ref(), s) for s in stops],
+                )
+        except LookupError as error:
+            raise _naming_original(error, step.segment.ops, copies) from error
+        # The next recomputation waits for all of this one's gradients: segments
+        # whose gradients are ready together would otherwise recompute at the same time.
+        self._previous_results = [
+            part.op for g in input_grads if g is not None for part in rewrite.tensors_of(g)
+        ] or self._previous_results
+        return input_grads
+
+    def _in_place(self, step, targets, target_grads) -> list:
+        """Calls the registered gradient of the step's one op on the forward op."""
+        op = step.op
+        with tf.name_scope(f"backprop_{step.index}"):
+            by_output = {t.ref(): g for t, g in zip(targets, target_grads)}
+            return rewrite.op_gradients(
+                op, [by_output.get(t.ref()) for t in op.outputs],
+                self._options.gate_gradients, self._options.colocate_gradients_with_ops,
             )
-        if segment.recompute:
-            # The next recomputation waits for all of this one's gradients:
-            # segments whose gradients are ready together would otherwise
-            # recompute at the same time.
-            previous_results = [
-                part.op for g in input_grads if g is not None for part in rewrite.tensors_of(g)
-            ] or previous_results
-        for t, g in zip(segment_inputs, input_grads):
+
+    def _whole(self, step, targets, target_grads) -> list:
+        """``tf.gradients`` from the targets to the step's inputs, through the forward ops."""
+        return tf_gradients(
+            targets,
+            list(step.inputs),
+            grad_ys=target_grads,
+            name=f"backprop_{step.index}",
+            **self._options.for_tf_gradients(),
+            stop_gradients=list(step.segment.inputs) + list(self._request.stops),
+        )
+
+    def _collect(self, inputs, input_grads) -> None:
+        """Adds the gradients of kept inputs through which a gradient reaches an x."""
+        kept, carriers = self._schedule.kept, self._schedule.carriers
+        for t, g in zip(inputs, input_grads):
             if g is not None and t.ref() in kept and t.ref() in carriers:
-                if t.ref() in totals:
-                    raise AssertionError(f"gradient of {t.name} was summed before it was complete")
-                contributions.setdefault(t.ref(), []).append(g)
-                if t.ref() not in x_keys:
-                    open_keys.setdefault(t.ref(), True)
+                self._sums.add(t, g, still_read=t.ref() not in self._x_keys)
 
-    results = []
-    reach = None
-    for x in xs:
-        g = total(x)
-        if g is None and x.op in differentiated:
-            # tf.gradients gives zeros for an unused output of an op it differentiates,
-            # which it does when its walk from xs reaches one of the op's inputs.
-            if reach is None:
-                reach = graph_lib.reached_by_tf_gradients(xs, region)
-            if any(t.op in reach for t in x.op.inputs):
-                g = rewrite.unused_output_gradient(x)
-        if g is None and unconnected == tf.UnconnectedGradients.ZERO:
-            g = rewrite.zeros_like_gradient(x)
-        results.append(g)
-    return results
-
-
-def _pending_gradients(contributions: dict, open_keys) -> list:
-    """The gradient tensors that segments not yet built will read: the contributions
-    to the kept tensors of ``open_keys`` (those whose gradient is not summed yet)."""
-    return [
-        part for key in open_keys for g in contributions[key] for part in rewrite.tensors_of(g)
-    ]
+    def results(self) -> list:
+        """One gradient per x, as ``tf.gradients`` gives it."""
+        xs, region = self._request.xs, self._request.region
+        results = []
+        reach = None
+        for x in xs:
+            g = self._sums.total(x)
+            if g is None and x.op in self._differentiated:
+                # tf.gradients gives zeros for an unused output of an op it differentiates,
+                # which it does when its walk from xs reaches one of the op's inputs.
+                if reach is None:
+                    reach = graph_lib.reached_by_tf_gradients(xs, region)
+                if any(t.op in reach for t in x.op.inputs):
+                    g = rewrite.unused_output_gradient(x)
+            if g is None and self._options.unconnected == tf.UnconnectedGradients.ZERO:
+                g = rewrite.zeros_like_gradient(x)
+            results.append(g)
+        return results
 
 
 class _ReadersOfPendingGradients:
@@ -804,7 +885,7 @@ def _tensor_list(value, what: str) -> list:
         raise ValueError(f"{what} is empty: pass at least one tensor.")
     tensors = []
     for item in items:
-        if _resource_variable_ops.is_resource_variable(item):
+        if _is_resource_variable(item):
             item = tf.convert_to_tensor(item)
         if not isinstance(item, tf.Tensor):
             raise TypeError(
@@ -821,7 +902,7 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
         raise ValueError("xs is empty: pass at least one tensor or variable.")
     tensors = []
     for x in xs:
-        if _resource_variable_ops.is_resource_variable(x):  # as tf.gradients: its handle
+        if _is_resource_variable(x):  # as tf.gradients: its handle
             x = x.handle
             if not isinstance(x, tf.Tensor) or not hasattr(x, "graph") or x.graph is not graph:
                 x = tf.convert_to_tensor(x)  # captures an eager handle in a tf.function

@@ -7,9 +7,9 @@ candidates that :mod:`.budget` chooses from.
 from __future__ import annotations
 
 import dataclasses
-
 import heapq
 import math
+from typing import NamedTuple
 
 from .graph import ForwardRegion, gradient_reads, gradient_reads_output_of, tensor_order
 
@@ -28,9 +28,9 @@ class Cuts:
     as soon as their consumers have run).  A copy
     runs only if a gradient in its segment reads it or a copy that runs reads
     it (:func:`graph.copies_that_run`); ops no gradient ever reads are left
-    out of the prefix sums, and ``pruned[i]`` lists ``(position, work,
-    bytes, held bytes)`` of the ops that a segment ending at cut ``i`` would
-    not run, sorted by position.
+    out of the prefix sums, and ``pruned[i]`` lists the :class:`PrunedOp` of
+    the ops that a segment ending at cut ``i`` would not run, sorted by
+    position.
     """
 
     positions: tuple
@@ -41,6 +41,38 @@ class Cuts:
     largest: tuple
     pruned: tuple
     held_bytes: tuple
+
+
+class PrunedOp(NamedTuple):
+    """An op that a segment ending at some cut would not run."""
+
+    position: int
+    work: float
+    bytes: int
+    held_bytes: int
+
+
+class _OpTable(NamedTuple):
+    """Per op of the order: its outputs' bytes, and prefix sums over the ops a copy of
+    which runs (see :class:`Cuts`)."""
+
+    own_bytes: dict       # tensor ref -> bytes of its own (0 for an alias)
+    starts: dict          # position -> its outputs that a later op reads
+    output_prefix: list
+    held_prefix: list
+    work_prefix: list
+    largest: list
+    op_work: list
+    op_bytes: list
+    op_held: list
+
+
+class _LiveSet(NamedTuple):
+    """The tensors live after the op at ``position``, and their bytes."""
+
+    position: int
+    bytes: int
+    tensors: tuple
 
 
 def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
@@ -57,8 +89,25 @@ def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
     """
     order = region.order
     position = {op: i for i, op in enumerate(order)}
+    end_of = _last_reads(order, position, alias_types)
+    first_read = _first_reads(order, position, needs_gradient)
+    table = _op_table(order, position, size, cost, alias_types, end_of, first_read)
+    live_sets = _thinned(_live_sets(len(order), table, end_of), max_cuts)
+    positions = tuple(c.position for c in live_sets)
+    tensors = tuple(tuple(sorted(c.tensors, key=tensor_order)) for c in live_sets)
+    new_bytes = tuple(
+        tuple(sorted((position[t.op], table.own_bytes[t.ref()]) for t in ts)) for ts in tensors
+    )
+    pruned = _pruned_at(positions, first_read, table.op_work, table.op_bytes, table.op_held)
+    return Cuts(positions, tensors, new_bytes, tuple(table.output_prefix),
+                tuple(table.work_prefix), tuple(table.largest), pruned,
+                tuple(table.held_prefix))
+
+
+def _last_reads(order, position, alias_types) -> dict:
+    """Per output (by ref): the last position that reads it, or reads an alias of it
+    (its own position if none does).  One reverse sweep."""
     end_of: dict = {}
-    own_bytes: dict = {}
     for op in reversed(order):
         for t in op.outputs:
             ends = [position[c] for c in t.consumers() if c in position]
@@ -68,45 +117,52 @@ def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
             if op.type in alias_types and op.inputs and op.inputs[0].op in position:
                 source = op.inputs[0].ref()
                 end_of[source] = max(end_of.get(source, 0), end)
-    first_read = _first_reads(order, position, needs_gradient)
-    output_prefix, work_prefix, largest, op_work, op_bytes = [], [], [], [], []
-    held_prefix, op_held = [], []
+    return end_of
+
+
+def _op_table(order, position, size, cost, alias_types, end_of, first_read) -> _OpTable:
+    """Bytes, work and prefix sums per op; ops whose copy never runs
+    (``first_read`` inf) stay out of the prefix sums."""
+    table = _OpTable({}, {}, [], [], [], [], [], [], [])
     total_bytes = total_work = total_held = 0
-    starts: dict = {}
     for i, op in enumerate(order):
-        own = held = 0
-        big = 0
+        own = held = big = 0
         read = _outputs_gradients_read(op, position)
         for t in op.outputs:
             nbytes = 0 if op.type in alias_types else size(t)
-            own_bytes[t.ref()] = nbytes
+            table.own_bytes[t.ref()] = nbytes
             own += nbytes
             if t.ref() in read:
                 held += nbytes
             big = max(big, nbytes)
             if end_of[t.ref()] > i:
-                starts.setdefault(i, []).append(t)
+                table.starts.setdefault(i, []).append(t)
         work = cost(op)
-        op_work.append(work)
-        op_bytes.append(own)
-        op_held.append(held)
+        table.op_work.append(work)
+        table.op_bytes.append(own)
+        table.op_held.append(held)
         if first_read[i] < math.inf:  # else no copy of it ever runs
             total_bytes += own
             total_held += held
             total_work += work
-        output_prefix.append(total_bytes)
-        held_prefix.append(total_held)
-        work_prefix.append(total_work)
-        largest.append(big)
-    # Sweep: live set after each position; a cut where the set changes next.
+        table.output_prefix.append(total_bytes)
+        table.held_prefix.append(total_held)
+        table.work_prefix.append(total_work)
+        table.largest.append(big)
+    return table
+
+
+def _live_sets(n_ops: int, table: _OpTable, end_of: dict) -> list:
+    """The live set after each position where the set changes next (a sweep)."""
+    starts, own_bytes = table.starts, table.own_bytes
     ending: dict = {}
-    for i, ts in starts.items():
+    for ts in starts.values():
         for t in ts:
             ending.setdefault(end_of[t.ref()], []).append(t)
     live: dict = {}
     live_bytes = 0
-    raw = []
-    for i in range(len(order) - 1):
+    found = []
+    for i in range(n_ops - 1):
         for t in ending.get(i, ()):
             live_bytes -= own_bytes[t.ref()]
             live.pop(t.ref(), None)
@@ -118,31 +174,30 @@ def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
         changes_next = any(own_bytes[t.ref()] for t in ending.get(i + 1, ())) or any(
             own_bytes[t.ref()] for t in starts.get(i + 1, ()))
         if changes_next and live:
-            raw.append((i, live_bytes, tuple(live.values())))
-    if len(raw) > max_cuts:
-        chosen = []
-        stretch = len(raw) / max_cuts
-        for b in range(max_cuts):
-            lo, hi = int(b * stretch), int((b + 1) * stretch)
-            if hi > lo:
-                chosen.append(min(raw[lo:hi], key=lambda r: (r[1], -r[0])))
-        raw = chosen
-    positions = tuple(r[0] for r in raw)
-    tensors = tuple(tuple(sorted(r[2], key=tensor_order)) for r in raw)
-    new_bytes = tuple(
-        tuple(sorted((position[t.op], own_bytes[t.ref()]) for t in ts)) for ts in tensors
-    )
-    pruned = _pruned_at(positions, first_read, op_work, op_bytes, op_held)
-    return Cuts(positions, tensors, new_bytes, tuple(output_prefix), tuple(work_prefix),
-                tuple(largest), pruned, tuple(held_prefix))
+            found.append(_LiveSet(i, live_bytes, tuple(live.values())))
+    return found
+
+
+def _thinned(live_sets: list, max_cuts: int) -> list:
+    """At most ``max_cuts``: the cheapest (latest among equals) of each of
+    ``max_cuts`` equal stretches."""
+    if len(live_sets) <= max_cuts:
+        return live_sets
+    chosen = []
+    stretch = len(live_sets) / max_cuts
+    for b in range(max_cuts):
+        lo, hi = int(b * stretch), int((b + 1) * stretch)
+        if hi > lo:
+            chosen.append(min(live_sets[lo:hi], key=lambda c: (c.bytes, -c.position)))
+    return chosen
 
 
 def _outputs_gradients_read(op, position) -> set:
     """Refs of the outputs of ``op`` that its own gradient or a consumer's reads.
 
     A tensor whose shape is only known at run time is not counted as read for that
-    alone: doing so made every tensor of an unknown-batch graph "held", and its plans
-    peaked 39% above the known-batch graph's (transformer, batch 64, predicted);
+    alone: counting it makes every tensor of an unknown-batch graph "held", and its
+    plans peak 39% above the known-batch graph's (transformer, batch 64, predicted);
     the simulation, which has the last word, judges each plan either way."""
     read = {t.ref() for t in gradient_reads(op)[1]}
     for t in op.outputs:
@@ -189,6 +244,6 @@ def _pruned_at(positions, first_read, op_work, op_bytes, op_held) -> tuple:
         while waiting and waiting[0][0] <= p:
             heapq.heappop(waiting)
         pruned.append(tuple(sorted(
-            (i, op_work[i], op_bytes[i], op_held[i]) for _, i in waiting
+            PrunedOp(i, op_work[i], op_bytes[i], op_held[i]) for _, i in waiting
         )))
     return tuple(pruned)

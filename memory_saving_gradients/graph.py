@@ -6,7 +6,7 @@ unhashable inside a ``tf.function``, so sets and dicts of tensors are keyed by
 ``tensor.ref()``; operations are hashable everywhere.
 
 Topological order: TensorFlow creates an op only after the ops of its inputs,
-so an op's creation id (``op._id``) is a topological order of the data edges
+so an op's creation id (:func:`._tensorflow.op_id`) is a topological order of the data edges
 of every op this library may recompute (the exceptions, back edges of v1
 ``while_loop``s, belong to ops that are never recomputed).  Sorting by it is
 deterministic and needs no graph walk.
@@ -20,45 +20,23 @@ import heapq
 import os
 from typing import Iterable, Sequence
 
-from tensorflow.python.eager import backprop_util as _backprop_util
-
+from . import _tensorflow as _tf_internals
+from . import ops as op_types
 from ._tensorflow import tf
 
-# Op types whose outputs are never recomputed: control flow (v1 and v2) and
-# function calls are kept whole, since copying them one op at a time would
-# split loop frames or function semantics.
-CONTROL_FLOW_OP_TYPES = frozenset(
-    {
-        "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
-        "RefExit", "NextIteration", "RefNextIteration", "LoopCond",
-        "ControlTrigger", "While", "StatelessWhile", "If", "StatelessIf", "Case",
-        "StatelessCase", "PartitionedCall", "StatefulPartitionedCall",
-        "SymbolicGradient", "TPUPartitionedCall",
-    }
-)
+#: :data:`.ops.CONTROL_FLOW` (the name other modules read).
+CONTROL_FLOW_OP_TYPES = op_types.CONTROL_FLOW
 
 
 def op_order(op: tf.Operation) -> int:
     """Creation id of an op: a deterministic topological order (see module doc)."""
-    return op._id  # pylint: disable=protected-access
+    return _tf_internals.op_id(op)
 
 
 def last_op_id(graph: tf.Graph) -> int:
-    """Creation id of the newest op of ``graph`` (0 for an empty graph), in O(1)."""
-    nodes = getattr(graph, "_nodes_by_id", None)  # pylint: disable=protected-access
-    if isinstance(nodes, dict):
-        return next(reversed(nodes), 0)
-    ops = graph.get_operations()
-    return op_order(ops[-1]) if ops else 0
-
-
-#: Op types whose output is their first input's value: grappler removes them and
-#: hands their consumers the input itself.
-VALUE_FORWARDING_OP_TYPES = frozenset(
-    {"Identity", "Snapshot", "StopGradient", "PreventGradient", "EnsureShape"}
-)
-#: Op types grappler removes when the output's static shape equals the input's.
-_SHAPE_FORWARDING_OP_TYPES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
+    """Creation id of the newest op of ``graph`` (0 for an empty graph): see
+    :func:`._tensorflow.last_op_id`."""
+    return _tf_internals.last_op_id(graph)
 
 
 def forwards_its_input(op: tf.Operation) -> bool:
@@ -67,9 +45,9 @@ def forwards_its_input(op: tf.Operation) -> bool:
     read the input."""
     if not op.inputs or len(op.outputs) != 1:
         return False
-    if op.type in VALUE_FORWARDING_OP_TYPES:
+    if op.type in op_types.VALUE_FORWARDING:
         return True
-    if op.type in _SHAPE_FORWARDING_OP_TYPES:
+    if op.type in op_types.SAME_ELEMENTS:
         before, after = op.inputs[0].shape, op.outputs[0].shape
         return before.is_fully_defined() and after.is_fully_defined() and before == after
     return False
@@ -78,10 +56,10 @@ def forwards_its_input(op: tf.Operation) -> bool:
 def reads_a_variable(t: tf.Tensor) -> bool:
     """Whether ``t`` is a variable's value (``ReadVariableOp``, or the read of a v1 ref
     variable): grappler never removes an identity of it."""
-    if t.op.type == "ReadVariableOp":
+    if t.op.type in op_types.VARIABLE_READS:
         return True
-    return t.op.type == "Identity" and bool(t.op.inputs) and t.op.inputs[0].op.type in (
-        "VariableV2", "Variable")
+    return t.op.type == "Identity" and bool(t.op.inputs) and (
+        t.op.inputs[0].op.type in op_types.REF_VARIABLES)
 
 
 def value_root(t: tf.Tensor):
@@ -108,14 +86,12 @@ def builds_for_xla(graph: tf.Graph) -> bool:
     True when auto-clustering is switched on for a device the ops may run on
     (see :func:`auto_clustering_requested`), which nothing in the graph shows.
     """
-    from tensorflow.python.ops import control_flow_util as _control_flow_util
-
-    if _control_flow_util.GraphOrParentsInXlaContext(graph):
+    if _tf_internals.in_xla_context(graph):
         return True
     flags, jit = os.environ.get("TF_XLA_FLAGS", ""), tf.config.optimizer.get_jit()
     if "tf_xla_auto_jit" not in flags and jit != "autoclustering":
         return False
-    return auto_clustering_requested(flags, jit, bool(tf.config.list_physical_devices("GPU")))
+    return auto_clustering_requested(flags, jit, _tf_internals.gpu_visible())
 
 
 def auto_clustering_requested(tf_xla_flags: str, jit_setting: str, gpu_visible: bool) -> bool:
@@ -145,7 +121,7 @@ def v1_control_flow_context(op: tf.Operation):
     ``tf.function(jit_compile=True)`` traced by ``get_concrete_function`` or
     ``experimental_get_compiler_ir`` puts every op in one.
     """
-    context = op._control_flow_context  # pylint: disable=protected-access
+    context = _tf_internals.control_flow_context(op)
     outermost = None
     while context is not None:
         if not context.IsXLAContext():
@@ -161,7 +137,7 @@ def is_recomputable(op: tf.Operation) -> bool:
     control flow, function calls, ops in a v1 control-flow context and ops on
     reference tensors are never copied: their outputs are kept instead.
     """
-    if op.type in CONTROL_FLOW_OP_TYPES:
+    if op.type in op_types.CONTROL_FLOW:
         return False
     if v1_control_flow_context(op) is not None:
         return False
@@ -170,49 +146,13 @@ def is_recomputable(op: tf.Operation) -> bool:
             return False
     except (AttributeError, ValueError):  # functions called by name have no OpDef
         return False
-    if op.graph._is_function(op.type):  # pylint: disable=protected-access
+    if _tf_internals.is_function_call(op):
         return False
-    if any(t.dtype._is_ref_dtype for t in op.inputs) or any(  # pylint: disable=protected-access
-        t.dtype._is_ref_dtype for t in op.outputs  # pylint: disable=protected-access
+    if any(_tf_internals.is_ref_dtype(t.dtype) for t in op.inputs) or any(
+        _tf_internals.is_ref_dtype(t.dtype) for t in op.outputs
     ):
         return False
     return bool(op.inputs)
-
-
-# What an op's registered gradient reads of the forward pass (besides shapes).
-# Used by the memory model, and to decide whether a one-op segment is better
-# differentiated in place.  Unknown types are assumed to read their inputs.
-GRADIENT_READS_NOTHING = frozenset(
-    {
-        "Add", "AddV2", "Sub", "AddN", "Neg", "Identity", "IdentityN", "Reshape",
-        "Squeeze", "ExpandDims", "BiasAdd", "ConcatV2", "Concat", "Pack", "Unpack",
-        "Split", "SplitV", "Slice", "StridedSlice", "Transpose", "Pad", "Cast",
-        "Sum", "Mean", "Tile", "StopGradient", "ReadVariableOp", "ResourceGather",
-        "GatherV2", "BroadcastTo", "ZerosLike", "OnesLike", "Snapshot", "EnsureShape",
-    }
-)
-GRADIENT_READS_OUTPUTS = frozenset(
-    {
-        "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Exp", "Sqrt", "Rsqrt",
-        "Softmax", "LogSoftmax", "Reciprocal", "Inv",
-    }
-)
-GRADIENT_READS_INPUTS_AND_OUTPUTS = frozenset(
-    {"MaxPool", "MaxPoolV2", "MaxPool3D", "FusedBatchNorm", "FusedBatchNormV2",
-     "FusedBatchNormV3", "SoftmaxCrossEntropyWithLogits",
-     "SparseSoftmaxCrossEntropyWithLogits", "Max", "Min", "Prod"}
-)
-
-
-# Products whose gradient for one input reads only the other input: an
-# input is read only if the other one needs a gradient (grappler prunes the
-# unused half of the gradient otherwise).
-GRADIENT_READS_OTHER_INPUT = frozenset(
-    {
-        "Mul", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D",
-        "Conv3D", "DepthwiseConv2dNative",
-    }
-)
 
 
 def gradient_reads(op: tf.Operation, needs_gradient=lambda tensor: True) -> tuple:
@@ -221,17 +161,17 @@ def gradient_reads(op: tf.Operation, needs_gradient=lambda tensor: True) -> tupl
     ``needs_gradient(tensor)`` says whether an input's gradient is wanted;
     it decides what products read.
     """
-    if op.type in GRADIENT_READS_NOTHING:
+    if op.type in op_types.GRADIENT_READS_NOTHING:
         return (), ()
-    if op.type in GRADIENT_READS_OUTPUTS:
+    if op.type in op_types.GRADIENT_READS_OUTPUTS:
         return (), tuple(op.outputs)
-    if op.type in ("SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits"):
+    if op.type in op_types.GRADIENT_READS_SECOND_OUTPUT:
         return (), (op.outputs[1],)
-    if op.type.startswith("FusedBatchNorm"):
+    if op.type in op_types.GRADIENT_READS_TWO_INPUTS_AND_SAVED_OUTPUTS:
         return tuple(op.inputs[:2]), tuple(op.outputs[3:])
-    if op.type in GRADIENT_READS_INPUTS_AND_OUTPUTS:
+    if op.type in op_types.GRADIENT_READS_INPUTS_AND_OUTPUTS:
         return tuple(op.inputs), tuple(op.outputs)
-    if op.type in GRADIENT_READS_OTHER_INPUT and len(op.inputs) == 2:
+    if op.type in op_types.GRADIENT_READS_OTHER_INPUT and len(op.inputs) == 2:
         first, second = op.inputs[0], op.inputs[1]
         return tuple(
             t for t, other in ((first, second), (second, first)) if needs_gradient(other)
@@ -278,9 +218,9 @@ def is_differentiable_in_place(op: tf.Operation) -> bool:
     Control flow and function calls need ``tf.gradients``' own machinery.
     """
     return (
-        op.type not in CONTROL_FLOW_OP_TYPES
+        op.type not in op_types.CONTROL_FLOW
         and v1_control_flow_context(op) is None
-        and not op.graph._is_function(op.type)  # pylint: disable=protected-access
+        and not _tf_internals.is_function_call(op)
     )
 
 
@@ -289,7 +229,18 @@ def carries_gradient(tensor: tf.Tensor) -> bool:
     rule (``backprop_util.IsTrainable``): float and complex tensors, resource handles,
     and variants (the ``TensorList`` s of loops, ``TensorArray`` s, optionals) unless
     they hold integers."""
-    return _backprop_util.IsTrainable(tensor)
+    return _tf_internals.is_trainable(tensor)
+
+
+
+def blocks_gradients(op: tf.Operation) -> bool:
+    """Whether ``op``'s registered gradient is None (``tf.no_gradient``: StopGradient,
+    Shape, ...): no gradient flows from its outputs to its inputs.  An op with no
+    gradient registered at all does not count (``tf.gradients`` raises on it)."""
+    try:
+        return _tf_internals.gradient_function(op) is None
+    except LookupError:
+        return False
 
 
 def reached_by_tf_gradients(xs: Sequence[tf.Tensor], region=None) -> set:
@@ -509,6 +460,26 @@ def segment_for(
     )
 
 
+class DisjointSets:
+    """Union-find over hashable items (path halving); an item is in a set of its own
+    until :meth:`union` joins it with another's."""
+
+    def __init__(self):
+        self._parent: dict = {}
+
+    def find(self, item):
+        """The representative of ``item``'s set."""
+        parent = self._parent
+        while parent.setdefault(item, item) is not item:
+            parent[item] = parent[parent[item]]
+            item = parent[item]
+        return item
+
+    def union(self, a, b) -> None:
+        """Join the sets of ``a`` and ``b``."""
+        self._parent[self.find(a)] = self.find(b)
+
+
 def backward_groups(
     region: ForwardRegion, kept: dict, producers: Iterable[tf.Operation],
     isolated: frozenset = frozenset(),
@@ -533,14 +504,7 @@ def backward_groups(
     ordered = sorted(set(producers), key=op_order)
     position = {op: i for i, op in enumerate(ordered)}
     segments: dict = {}
-    parent = {op: op for op in ordered}
-
-    def find(op):
-        while parent[op] is not op:
-            parent[op] = parent[parent[op]]
-            op = parent[op]
-        return op
-
+    sharing = DisjointSets()
     owner: dict = {}
     for op in ordered:
         if op in isolated:
@@ -555,10 +519,10 @@ def backward_groups(
                 continue
             other = owner.setdefault(inner, op)
             if other is not op:
-                parent[find(op)] = find(other)
+                sharing.union(op, other)
     members: dict = {}
     for op in ordered:
-        members.setdefault(find(op), []).append(op)
+        members.setdefault(sharing.find(op), []).append(op)
     groups = [tuple(g) for g in members.values()]
     while True:
         if all(len(g) == 1 for g in groups):
@@ -634,14 +598,6 @@ def in_function_body_of(tensor: tf.Tensor, graph: tf.Graph) -> bool:
     return False
 
 
-V1_CONTROL_FLOW_OP_TYPES = frozenset(
-    {
-        "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
-        "RefExit", "NextIteration", "RefNextIteration", "LoopCond",
-    }
-)
-
-
 def _root_context(op: tf.Operation):
     return v1_control_flow_context(op)
 
@@ -659,24 +615,15 @@ def control_flow_constructs(region: ForwardRegion) -> dict:
     created after all the others, so ops that consume its outputs come later
     in the topological order.  Ops outside v1 control flow are absent.
     """
-    parent: dict = {}
-
-    def find(key):
-        while parent.setdefault(key, key) is not key:
-            parent[key] = parent[parent[key]]
-            key = parent[key]
-        return key
-
-    def union(a, b):
-        parent[find(a)] = find(b)
-
+    joined_with = DisjointSets()
+    union = joined_with.union
     members = []
     for op in region.order:
         root = _root_context(op)
         if root is not None:
             union(op, root)
             members.append(op)
-        elif op.type in ("Merge", "RefMerge"):
+        elif op.type in op_types.V1_MERGES:
             # A cond's Merge joins its branches (its inputs' contexts).
             joined = [_root_context(t.op) for t in op.inputs]
             for context in joined:
@@ -684,7 +631,7 @@ def control_flow_constructs(region: ForwardRegion) -> dict:
                     union(op, context)
             if any(c is not None for c in joined):
                 members.append(op)
-        elif op.type in ("Switch", "RefSwitch"):
+        elif op.type in op_types.V1_SWITCHES:
             # A cond's predicate Switch feeds its branches (its consumers' contexts).
             joined = [_root_context(c) for t in op.outputs for c in t.consumers()]
             for context in joined:
@@ -694,7 +641,7 @@ def control_flow_constructs(region: ForwardRegion) -> dict:
                 members.append(op)
     groups: dict = {}
     for op in members:
-        groups.setdefault(find(op), []).append(op)
+        groups.setdefault(joined_with.find(op), []).append(op)
     constructs: dict = {}
     for ops in groups.values():
         ops = tuple(sorted(ops, key=op_order))
@@ -724,13 +671,14 @@ def construct_segment(
     )
 
 
-def tensor_bytes(tensor: tf.Tensor, unknown_dim: int = 1) -> int:
-    """Static size of a tensor in bytes; unknown dims count as ``unknown_dim``."""
+def tensor_bytes(tensor: tf.Tensor, unknown_dim: int = 1, dims: Sequence | None = None) -> int:
+    """Static size of a tensor in bytes; unknown dims count as ``unknown_dim``, or
+    ``dims`` (its dimensions, unknown ones estimated) gives them all."""
     shape = tensor.shape
-    if shape.rank is None:
+    if shape.rank is None and dims is None:
         return tensor.dtype.size if tensor.dtype != tf.resource else 0
     count = 1
-    for dim in shape.as_list():
+    for dim in shape.as_list() if dims is None else dims:
         count *= unknown_dim if dim is None else dim
     try:
         return count * tensor.dtype.size

@@ -29,9 +29,11 @@ import logging
 import warnings
 from typing import Callable, Sequence
 
-from ._tensorflow import tf
+from . import _tensorflow as _tf_internals
 from . import graph as graph_lib
+from . import ops as op_types
 from . import rewrite
+from ._tensorflow import tf
 from .notices import FallbackWarning
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -63,19 +65,19 @@ def guarded_gradients(
     with rewrite.observed_gradient_calls(graph) as calls:
         try:
             results = build()
-        except Exception as error:  # noqa: BLE001 - judged below
+        except Exception as error:
             failure = error
     if failure is not None:
         try:
             plain = fallback()
-        except Exception:  # noqa: BLE001 - tf.gradients fails too: the user's error
-            raise failure  # pylint: disable=raise-missing-from
+        except Exception:
+            raise failure from None
         _warn(f"the rewrite raised {type(failure).__name__}: {str(failure)[:300]}"
               f"{_raised_at(failure)}")
         return plain
     try:
         difference = find_difference(ys, xs, grad_ys, stops, unconnected, results, calls.calls)
-    except Exception as error:  # noqa: BLE001 - a guard that fails must not let results out
+    except Exception as error:
         difference = f"the check itself failed ({type(error).__name__}: {error})"
     if difference is None:
         return results
@@ -188,7 +190,7 @@ class _Walk:
         try:
             return rewrite.original_gradient_function(op) is not None
         except LookupError:
-            return op.graph._is_function(op.type)  # pylint: disable=protected-access
+            return _tf_internals.is_function_call(op)
 
     def _propagate(self) -> None:
         """Input gradient kinds of every op, consumers before producers (again where
@@ -257,10 +259,10 @@ class _Walk:
                 if op in ops or op not in self.between or op in self.stop_gradient_ops:
                     continue
                 ops[op] = None
-                if rewrite.blocks_gradients(op):
+                if graph_lib.blocks_gradients(op):
                     continue
                 for t in op.outputs:
-                    if rewrite.is_trainable(t) and t.ref() not in live:
+                    if graph_lib.carries_gradient(t) and t.ref() not in live:
                         live.add(t.ref())
                         stack.append(t)
         return list(ops)
@@ -279,7 +281,7 @@ class _Walk:
                 if op in differing and (found is None or
                                         graph_lib.op_order(op) > graph_lib.op_order(found)):
                     found = op
-                stack.extend(t for t in op.outputs if rewrite.is_trainable(t))
+                stack.extend(t for t in op.outputs if graph_lib.carries_gradient(t))
         return found
 
     def x_kind(self, x: tf.Tensor, zero: bool) -> str:
@@ -294,27 +296,12 @@ class _Walk:
 
 def _zero_filled(t: tf.Tensor) -> bool:
     """Whether ``tf.gradients`` passes zeros for output ``t`` when no gradient reaches it."""
-    from tensorflow.python.ops import default_gradient as _default_gradient
-
-    return rewrite.is_trainable(t) and _default_gradient.supports_default_grad(t)
+    return graph_lib.carries_gradient(t) and _tf_internals.supports_default_grad(t)
 
 
 def _in_v1_control_flow(op: tf.Operation) -> bool:
     return (graph_lib.v1_control_flow_context(op) is not None
-            or op.type in graph_lib.V1_CONTROL_FLOW_OP_TYPES)
-
-
-def _registered(op_type: str):
-    from tensorflow.python.framework import ops as _ops
-
-    try:
-        return _ops.gradient_registry.lookup(op_type)
-    except LookupError:
-        return None
-
-
-_PASS_THROUGH_TYPES = ("Identity", "IdentityN", "ReadVariableOp", "AddN", "Cast")
-_GATHER_TYPES = ("GatherV2", "ResourceGather", "Gather")
+            or op.type in op_types.V1_CONTROL_FLOW)
 
 
 def _static_input_kinds(op: tf.Operation, outputs: tuple) -> tuple:
@@ -324,14 +311,14 @@ def _static_input_kinds(op: tf.Operation, outputs: tuple) -> tuple:
     try:
         function = rewrite.original_gradient_function(op)
     except LookupError:
-        function = None if not op.graph._is_function(op.type) else "call"  # pylint: disable=protected-access
+        function = None if not _tf_internals.is_function_call(op) else "call"
     if function is None:
         return ("none",) * len(op.inputs)
-    passes = {_registered(t) for t in _PASS_THROUGH_TYPES} - {None}
-    gathers = {_registered(t) for t in _GATHER_TYPES} - {None}
+    passes = {_tf_internals.registered_gradient(t) for t in op_types.GRADIENT_PASSES_KIND} - {None}
+    gathers = {_tf_internals.registered_gradient(t) for t in op_types.GATHERS} - {None}
     kinds = []
     for i, t in enumerate(op.inputs):
-        if not rewrite.is_trainable(t):
+        if not graph_lib.carries_gradient(t):
             kinds.append("none")
         elif function in passes:
             kinds.append(outputs[i] if len(outputs) == len(op.inputs) else outputs[0])
@@ -346,9 +333,7 @@ def _gathers_rows(op: tf.Operation) -> bool:
     """Whether a gather's params gradient is an ``IndexedSlices`` (axis 0)."""
     if op.type != "GatherV2":
         return True
-    from tensorflow.python.framework import tensor_util as _tensor_util
-
-    axis = _tensor_util.constant_value(op.inputs[2])
+    axis = tf.get_static_value(op.inputs[2])
     return axis is not None and int(axis) == 0
 
 

@@ -30,11 +30,10 @@ import logging
 import sys
 import warnings
 
-from ._tensorflow import tf  # noqa: F401  (TensorFlow before Keras)
-from . import notices
-from . import reporting
+from . import _tensorflow as _tf_internals
+from . import notices, reporting, tape_hooks
 from . import tape as tape_lib
-from . import tape_hooks
+from ._tensorflow import tf
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -141,7 +140,7 @@ def _model_kind(model) -> str:
     keras = sys.modules.get("keras")
     if keras is None:
         try:
-            import keras  # noqa: F811
+            import keras
         except ImportError:  # pragma: no cover
             keras = None
     if keras is not None and getattr(keras, "__version__", "").startswith("3."):
@@ -225,16 +224,13 @@ def device_free_memory(device: str = "GPU:0") -> int:
     """Bytes TensorFlow's allocator can still hand out on ``device``: its limit (the
     ``memory_limit`` TensorFlow reports for the device) minus what it holds now.
     ValueError where TensorFlow sees no GPU."""
-    if not tf.config.list_physical_devices("GPU"):
+    if not _tf_internals.gpu_visible():
         raise ValueError(
             "largest_batch: no GPU is visible, so there is no device memory to default to; "
             "pass memory=<bytes> (e.g. memory=4 * 2**30)."
         )
-    from tensorflow.python.client import device_lib
-
     index = int(device.rsplit(":", 1)[-1])
-    gpus = [d for d in device_lib.list_local_devices() if d.device_type == "GPU"]
-    limit = int(gpus[index].memory_limit)
+    limit = _tf_internals.gpu_memory_limits()[index]
     held = tf.config.experimental.get_memory_info(device)["current"]
     return max(0, limit - held)
 

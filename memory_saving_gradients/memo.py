@@ -74,9 +74,11 @@ def remembered(key: tuple, region: ForwardRegion, choose: Callable[[], list]) ->
     return tensors
 
 
-def remembered_plan(key: tuple, checkpoints: Sequence[tf.Tensor], make: Callable):
+def remembered_plan(key: tuple, checkpoints: Sequence[tf.Tensor], make: Callable,
+                    schedule=None):
     """``make()``'s :class:`~.planning.Plan` for ``checkpoints``, its figures from
-    memory when ``key`` (as for :func:`remembered`) was described before."""
+    memory when ``key`` (as for :func:`remembered`) was described before; a
+    remembered plan gets ``schedule`` (graph objects are not remembered)."""
     with _lock:
         found = _figures.get(key)
         if found is not None:
@@ -84,11 +86,11 @@ def remembered_plan(key: tuple, checkpoints: Sequence[tf.Tensor], make: Callable
     if found is None:
         made = make()
         with _lock:
-            _figures[key] = dataclasses.replace(made, checkpoints=())
+            _figures[key] = dataclasses.replace(made, checkpoints=(), schedule=None)
             while len(_figures) > CAPACITY:
                 _figures.popitem(last=False)
         return made
-    return dataclasses.replace(found, checkpoints=tuple(checkpoints))
+    return dataclasses.replace(found, checkpoints=tuple(checkpoints), schedule=schedule)
 
 
 def forget() -> None:

@@ -7,9 +7,10 @@ versions of every public way TensorFlow 2 code reaches graph gradients:
   tape while a graph is traced: see :mod:`.tape_hooks`;
 * ``tf.gradients`` (the TF2 signature: no ``colocate_gradients_with_ops``),
 * ``tf.compat.v1.gradients`` (the TF1 signature),
-* ``tensorflow.python.ops.gradients.gradients``: the module attribute that
-  ``tf.compat.v1.train.Optimizer.compute_gradients`` (and so ``minimize``)
-  calls as ``gradients.gradients(...)``,
+* the ``gradients`` attribute of TensorFlow's private modules that its own
+  code calls, such as the one ``tf.compat.v1.train.Optimizer.compute_gradients``
+  (and so ``minimize``) calls as ``gradients.gradients(...)``
+  (:data:`._tensorflow.PRIVATE_GRADIENT_SLOTS`),
 * every other module of TensorFlow that exposes one of TensorFlow's two
   ``gradients`` functions under that name (``tensorflow.compat.v2.compat.v1``,
   which tf_keras' legacy optimizers call, ``tf.compat.v1.compat.v2``, ...):
@@ -33,12 +34,10 @@ import sys
 import threading
 from typing import Iterator
 
-from tensorflow.python.ops import gradients_impl as _gradients_impl
-
-from ._tensorflow import tf
-from . import reporting
+from . import _tensorflow as _tf_internals
+from . import reporting, tape_hooks
 from . import tape as tape_lib
-from . import tape_hooks
+from ._tensorflow import tf
 from .checkpointing import check_arguments
 from .checkpointing import gradients as _checkpointed_gradients
 
@@ -51,9 +50,7 @@ TARGETS = (
     ("tf", "gradients", "v2"),
     ("tf.compat.v1", "gradients", "v1"),
     ("tf.compat.v2", "gradients", "v2"),
-    # tf.compat.v1.train.Optimizer.compute_gradients calls gradients.gradients
-    ("tensorflow.python.ops.gradients", "gradients", "v1"),
-)
+) + _tf_internals.PRIVATE_GRADIENT_SLOTS
 
 #: API modules loaded before the search, so that lazily loaded ones are found too.
 _API_PATHS = ("tf.compat.v1.compat.v1", "tf.compat.v1.compat.v2",
@@ -61,8 +58,8 @@ _API_PATHS = ("tf.compat.v1.compat.v1", "tf.compat.v1.compat.v2",
 
 #: TensorFlow's own functions, by signature.
 _TENSORFLOW_FUNCTIONS = {
-    id(_gradients_impl.gradients): "v1",
-    id(_gradients_impl.gradients_v2): "v2",
+    id(_tf_internals.tf_gradients): "v1",
+    id(_tf_internals.tf_gradients_v2): "v2",
 }
 
 
@@ -85,11 +82,11 @@ def gradient_slots() -> list:
             found.append((name, module, signature))
     for name, module in sorted(sys.modules.items(), key=lambda item: item[0]):
         if (module is None or id(module) in seen or not name.startswith("tensorflow")
-                or module is _gradients_impl):  # where they are defined: TF's internals
+                or _tf_internals.defines_tf_gradients(module)):  # TF's own internals
             continue
         try:
             value = module.__dict__.get("gradients")
-        except Exception:  # pylint: disable=broad-except  (odd lazy modules)
+        except Exception:  # odd lazy modules raise anything on attribute access
             continue
         signature = _TENSORFLOW_FUNCTIONS.get(id(value)) or getattr(
             value, "_memory_saving_gradients_signature", None
@@ -188,8 +185,8 @@ def _mark(function, signature: str):
     """Keep autograph out of library code (a tf.function calling tf.gradients
     would convert it) and tag the function as ours."""
     function = tf.autograph.experimental.do_not_convert(function)
-    function._memory_saving_gradients = True  # pylint: disable=protected-access
-    function._memory_saving_gradients_signature = signature  # pylint: disable=protected-access
+    function._memory_saving_gradients = True
+    function._memory_saving_gradients_signature = signature
     return function
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from . import _gc
+from . import _gc, simulate
 from . import batch as batch_lib
 from . import graph as graph_lib
-from . import simulate
+from . import schedule as schedule_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,9 @@ class Plan:
       batch: on a graph with unknown dimensions (an unknown batch), the batch the
         two peaks above are predicted at; None when every shape is known.
         :meth:`peak_at` and :meth:`largest_batch` answer for any batch.
+      schedule: the backward schedule (:class:`.schedule.Schedule`) the prediction
+        replays and ``gradients()`` builds: its ``steps``, in order, and
+        ``describe()`` them by name.
     """
 
     checkpoints: tuple
@@ -37,6 +40,8 @@ class Plan:
     assumptions: tuple = ()
     recomputed_ops: tuple = ()
     batch: int | None = None
+    schedule: schedule_lib.Schedule | None = dataclasses.field(
+        default=None, repr=False, compare=False)
     _model: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -108,16 +113,20 @@ class Plan:
 def make_plan(
     ys, xs, region, checkpoints: Sequence, strategy: str, unknown_dim: int = 1,
     onednn: bool = True, gpu: bool = False, batch_known: bool = True, batch_note: tuple = (),
+    stops: Sequence = (), schedule: schedule_lib.Schedule | None = None,
 ) -> Plan:
     """Predict both peaks for a chosen set of checkpoints (pure: nothing is built);
     unknown dimensions count as ``unknown_dim``; ``onednn`` and ``gpu`` describe
     the machine (see :func:`simulate.workspace_note`).  ``batch_known``: the graph
     has no unknown dimension; ``batch_note``: how the batch was chosen, for
-    ``assumptions``."""
-    model = batch_lib.PeakModel(region, ys, xs, checkpoints)
+    ``assumptions``; ``stops``: the ``stop_gradients``; ``schedule``: the backward
+    schedule of these checkpoints and stops, when already worked out."""
+    if schedule is None:
+        schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops)
+    model = batch_lib.PeakModel(region, ys, xs, checkpoints, stops=stops, schedule=schedule)
     sizer = simulate.Sizer(unknown_dim)
     predicted = simulate.predict_checkpointed(region, ys, xs, checkpoints, unknown_dim,
-                                              sizer=sizer)
+                                              sizer=sizer, stops=stops, schedule=schedule)
     baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, sizer=sizer)
     return Plan(
         checkpoints=tuple(checkpoints),
@@ -129,5 +138,6 @@ def make_plan(
         + tuple(batch_note) + simulate.workspace_note(region, onednn, gpu),
         recomputed_ops=predicted.recomputed_ops,
         batch=None if batch_known else int(unknown_dim),
+        schedule=schedule,
         _model=None if batch_known else model,
     )

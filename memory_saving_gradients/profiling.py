@@ -19,12 +19,12 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
-from ._tensorflow import tf
+from ._tensorflow import gpu_visible, tf
 
 
 def default_device() -> str:
     """``'GPU:0'`` where TensorFlow sees a GPU, else ``'CPU:0'``."""
-    return "GPU:0" if tf.config.list_physical_devices("GPU") else "CPU:0"
+    return "GPU:0" if gpu_visible() else "CPU:0"
 
 
 def peak_memory_during(run: Callable[[], object], device: str | None = None) -> int:
@@ -60,32 +60,43 @@ def peak_memory_during(run: Callable[[], object], device: str | None = None) -> 
 
 def allocation_records(run_metadata) -> dict:
     """``{allocator name: [(micros, bytes), ...]}`` from a RunMetadata's step stats."""
+    return _records_by(run_metadata, lambda device, memory: memory.allocator_name)
+
+
+def _records_by(run_metadata, key: Callable) -> dict:
+    """``{key(device stats, memory stats): [(micros, bytes), ...]}`` of a traced step."""
     records = collections.defaultdict(list)
     for device in run_metadata.step_stats.dev_stats:
         for node in device.node_stats:
             for memory in node.memory:
                 for record in memory.allocation_records:
-                    records[memory.allocator_name].append(
+                    records[key(device, memory)].append(
                         (record.alloc_micros, record.alloc_bytes)
                     )
     return dict(records)
 
 
+def running_peak(records) -> int:
+    """The peak of the running sum of ``(micros, bytes)`` allocation records (negative
+    bytes are frees), in time order.
+
+    Records at the same microsecond are applied frees first, so that the peak
+    is not overstated by the clock's coarseness.
+    """
+    running = peak = 0
+    for _, size in sorted(records):
+        running += size
+        peak = max(peak, running)
+    return peak
+
+
 def peak_memory(run_metadata) -> dict:
     """Peak bytes per allocator (device) of a traced step, e.g. ``{'cpu': 123456}``.
 
-    Allocators that the step never used are absent.  Records at the same
-    microsecond are applied frees first, so that the peak is not overstated
-    by the clock's coarseness.
+    Allocators that the step never used are absent (see :func:`running_peak`).
     """
-    peaks = {}
-    for allocator, records in allocation_records(run_metadata).items():
-        running = peak = 0
-        for _, size in sorted(records, key=lambda r: (r[0], r[1])):
-            running += size
-            peak = max(peak, running)
-        peaks[allocator] = peak
-    return peaks
+    return {allocator: running_peak(records)
+            for allocator, records in allocation_records(run_metadata).items()}
 
 
 def peak_memory_by_device(run_metadata) -> dict:
@@ -97,20 +108,8 @@ def peak_memory_by_device(run_metadata) -> dict:
     device the node ran on (e.g. ``'/job:localhost/replica:0/task:0/device:CPU:1'``):
     the memory of the tensors that device's ops allocated.
     """
-    records = collections.defaultdict(list)
-    for device in run_metadata.step_stats.dev_stats:
-        for node in device.node_stats:
-            for memory in node.memory:
-                for record in memory.allocation_records:
-                    records[device.device].append((record.alloc_micros, record.alloc_bytes))
-    peaks = {}
-    for name, device_records in records.items():
-        running = peak = 0
-        for _, size in sorted(device_records):
-            running += size
-            peak = max(peak, running)
-        peaks[name] = peak
-    return peaks
+    records = _records_by(run_metadata, lambda device, memory: device.device)
+    return {name: running_peak(device_records) for name, device_records in records.items()}
 
 
 def executed_op_types(run_metadata) -> collections.Counter:

@@ -24,14 +24,11 @@ import logging
 import sys
 from typing import Iterator
 
+from . import _tensorflow as _tf_internals
+
 logger = logging.getLogger("memory_saving_gradients")
 
-try:
-    from tensorflow.python.eager.polymorphic_function import polymorphic_function as _function_lib
-
-    _FIRST_TRACE = _function_lib.Function._initialize.__code__  # pylint: disable=protected-access
-except (ImportError, AttributeError):  # pragma: no cover  (another TensorFlow layout)
-    _FIRST_TRACE = None
+_FIRST_TRACE = _tf_internals.FIRST_TRACE_CODE
 
 
 def after_failure() -> None:
@@ -73,7 +70,7 @@ def is_keras_model(value) -> bool:
 
 def _frame_owners() -> Iterator[tuple]:
     """``(code, self)`` of every method frame on this thread's stack, innermost first."""
-    frame = sys._getframe(1)  # pylint: disable=protected-access
+    frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self") if frame.f_code.co_argcount else None
         if owner is not None:
@@ -83,13 +80,11 @@ def _frame_owners() -> Iterator[tuple]:
 
 def _forget_failed_first_trace(function) -> None:
     """Set a ``tf.function`` whose first trace is failing back to never traced."""
-    if getattr(function, "_concrete_variable_creation_fn", None) is not None:
+    if _tf_internals.function_first_trace_done(function):
         return  # its first trace completed: this is a later one
-    created = getattr(function, "_created_variables", None) or []
+    created = _tf_internals.function_created_variables(function)
     if any(ref() is not None for ref in created):
         logger.debug("memory_saving_gradients: the failed trace of %s created variables; "
                      "it is left as TensorFlow left it", getattr(function, "name", function))
         return
-    function._created_variables = None  # pylint: disable=protected-access
-    function._variable_creation_config = None  # pylint: disable=protected-access
-    function._no_variable_creation_config = None  # pylint: disable=protected-access
+    _tf_internals.forget_first_trace(function)

@@ -19,8 +19,7 @@ import threading
 import warnings
 from typing import Iterator
 
-from . import notices
-from . import recovery
+from . import notices, recovery
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -32,6 +31,7 @@ class Record:
       where: how the INFO line names what is traced (e.g. a Keras model), or
         None to name the traced function.
       plans: the :class:`~.planning.Plan` of every backward pass rewritten.
+      schedules: the :class:`~.schedule.Schedule` every rewrite built, in order.
       calls: gradient computations that went through the library.
       eager: tape gradients that ran eagerly (nothing can be rewritten there).
       plain: why other tape gradients were left to TensorFlow, with counts.
@@ -40,6 +40,7 @@ class Record:
     def __init__(self, where: str | None = None):
         self.where = where
         self.plans: list = []
+        self.schedules: list = []
         self.calls = 0
         self.eager = 0
         self.plain: collections.Counter = collections.Counter()
@@ -95,6 +96,13 @@ def ran_eagerly(record: Record | None) -> None:
 def left_plain(record: Record | None, reason: str) -> None:
     if record is not None:
         record.plain[reason] += 1
+
+
+def scheduled(schedule) -> None:
+    """Keep the backward schedule a rewrite builds, for the current record."""
+    record = current()
+    if record is not None:
+        record.schedules.append(schedule)
 
 
 def rewrote(plan, graph) -> None:

@@ -1,9 +1,10 @@
 """The only module that creates or changes TensorFlow graph structure.
 
 It copies ops, adds control inputs to ops it created, and builds the small
-ops the backward pass needs (default ``grad_ys``, gradient sums).  Every use
-of TensorFlow's private graph API lives here, behind small functions.  It
-never decides what to copy: callers pass the ops.
+ops the backward pass needs (default ``grad_ys``, gradient sums).  It reaches
+TensorFlow's private graph API through :mod:`._tensorflow` only, and it is the
+only caller of that module's graph-changing functions.  It never decides what
+to copy: callers pass the ops.
 
 Ops that existed before a call are never changed: copies are new ops, and
 control inputs are only ever added to new ops.
@@ -15,11 +16,10 @@ import contextlib
 import threading
 from typing import Iterable, Sequence
 
-from ._tensorflow import tf
+from . import _tensorflow as _tf_internals
 from . import graph as graph_lib
-from tensorflow.python.framework import indexed_slices as _indexed_slices
-from tensorflow.python.framework import ops as _ops
-from tensorflow.python.ops import gradients_util as _gradients_util
+from . import ops as op_types
+from ._tensorflow import tf
 
 
 @contextlib.contextmanager
@@ -31,15 +31,15 @@ def clean_scope(graph: tf.Graph, name_scope: str):
     colocation of the op they copy instead.  An XLA context (v1
     ``xla.compile``) is kept.
     """
-    context = graph._get_control_flow_context()  # pylint: disable=protected-access
-    with graph.as_default(), _ops.control_dependencies(None), graph.colocate_with(
+    context = _tf_internals.graph_control_flow_context(graph)
+    with graph.as_default(), _tf_internals.control_dependencies(None), graph.colocate_with(
         None, ignore_existing=True
-    ), _ops.device(None), _ops.name_scope(name_scope):
+    ), _tf_internals.device_scope(None), _tf_internals.name_scope(name_scope):
         if context is not None and context.IsXLAContext():
             # control_dependencies(None) also leaves the control flow context;
             # an XLA one (v1 xla.compile) must stay, or the new ops fall
             # outside the computation that reads them.
-            graph._set_control_flow_context(context)  # pylint: disable=protected-access
+            _tf_internals.set_graph_control_flow_context(graph, context)
         yield
 
 
@@ -66,7 +66,8 @@ def copy_ops(
     with clean_scope(graph, name_scope):
         for op in ops:
             inputs = [copies.get(t.ref(), t) for t in op.inputs]
-            new_op = graph._create_op_internal(  # pylint: disable=protected-access
+            new_op = _tf_internals.create_op(
+                graph,
                 op.type,
                 inputs,
                 dtypes=[t.dtype for t in op.outputs],
@@ -76,7 +77,7 @@ def copy_ops(
                 op_def=op.op_def,
                 compute_device=False,
             )
-            new_op._set_device(op.device)  # pylint: disable=protected-access
+            _tf_internals.set_op_device(new_op, op.device)
             deps = [copied_ops.get(c, c) for c in op.control_inputs]
             if not any(t.op in copied_ops or t.ref() in replacements for t in op.inputs):
                 # Only copies that read neither another copy nor a replacement
@@ -84,7 +85,7 @@ def copy_ops(
                 # and grappler may still optimize them (see proxies()).
                 deps.extend(control_inputs)
             if deps:
-                new_op._add_control_inputs(_unique_ops(deps))  # pylint: disable=protected-access
+                _tf_internals.add_control_inputs(new_op, _unique_ops(deps))
             for old, new in zip(op.outputs, new_op.outputs):
                 new.set_shape(old.shape)
                 copies[old.ref()] = new
@@ -120,24 +121,23 @@ def gated_gradients(copies: Iterable[tf.Operation]):
     copies = frozenset(copies)
     for op in copies:
         try:
-            function = _ops.get_gradient_function(op)
+            function = _tf_internals.gradient_function(op)
         except LookupError:
             continue
         if function is None:
             continue
-        replaced.append((op, op._gradient_function))  # pylint: disable=protected-access
-        op._gradient_function = _recording_gradient(  # pylint: disable=protected-access
-            function, gates, copies)
+        replaced.append((op, _tf_internals.gradient_override(op)))
+        _tf_internals.set_gradient_override(op, _recording_gradient(function, gates, copies))
     try:
         yield
     finally:
         for op, previous in replaced:
-            op._gradient_function = previous  # pylint: disable=protected-access
+            _tf_internals.set_gradient_override(op, previous)
     for producers, newest_id in gates:
         for producer in producers:
             for t in producer.outputs:
                 for consumer in t.consumers():
-                    if consumer._id > newest_id:  # pylint: disable=protected-access
+                    if graph_lib.op_order(consumer) > newest_id:
                         add_control_inputs([consumer], [p for p in producers if p is not producer])
 
 
@@ -155,17 +155,15 @@ def _recording_gradient(function, gates: list, copies: frozenset):
         if len(producers) > 1:
             # ops with larger ids than op and its output gradients were made by the
             # gradient function; an op created after all of them is none of their ancestors
-            made_after = max([op._id] + [t.op._id for g in output_gradients if g is not None
-                                        for t in tensors_of(g) if isinstance(t, tf.Tensor)])
+            made_after = max([graph_lib.op_order(op)] + [
+                graph_lib.op_order(t.op) for g in output_gradients if g is not None
+                for t in tensors_of(g) if isinstance(t, tf.Tensor)])
             reads = [_reads_recomputed(p, copies, made_after) for p in producers]
             if any(reads) and not all(reads):
-                gates.append((producers, max(p._id for p in producers)))  # pylint: disable=protected-access
+                gates.append((producers, max(graph_lib.op_order(p) for p in producers)))
         return results
 
     return gradient
-
-
-_SHAPE_OP_TYPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})
 
 
 def _reads_recomputed(producer: tf.Operation, copies: frozenset, made_after: int) -> bool:
@@ -174,13 +172,13 @@ def _reads_recomputed(producer: tf.Operation, copies: frozenset, made_after: int
     stack, seen = [producer], set()
     while stack:
         current = stack.pop()
-        if current in seen or current.type in _SHAPE_OP_TYPES:
+        if current in seen or current.type in op_types.SHAPE_ONLY_READERS:
             continue
         seen.add(current)
         for t in current.inputs:
             if t.op in copies:
                 return True
-            if t.op._id > made_after:  # pylint: disable=protected-access
+            if graph_lib.op_order(t.op) > made_after:
                 stack.append(t.op)
     return False
 
@@ -198,17 +196,15 @@ def add_control_inputs(ops: Iterable[tf.Operation], deps: Sequence[tf.Operation]
     for op in ops:
         missing = [d for d in deps if d is not op and d not in op.control_inputs]
         if missing:
-            op._add_control_inputs(missing)  # pylint: disable=protected-access
+            _tf_internals.add_control_inputs(op, missing)
 
 
 def default_grad_ys(
     grad_ys: Sequence, ys: Sequence[tf.Tensor], colocate_gradients_with_ops: bool
 ) -> list:
     """TensorFlow's own filling of ``grad_ys`` (ones where None) and its type checks."""
-    uid = _ops.get_default_graph().unique_name("uid")
-    return _gradients_util._DefaultGradYs(  # pylint: disable=protected-access
-        list(grad_ys), list(ys), colocate_gradients_with_ops, uid
-    )
+    uid = tf.compat.v1.get_default_graph().unique_name("uid")
+    return _tf_internals.default_grad_ys(list(grad_ys), list(ys), colocate_gradients_with_ops, uid)
 
 
 def sum_gradients(
@@ -224,16 +220,16 @@ def sum_gradients(
     if len(grads) == 1:
         return grads[0]
     scope = (
-        _ops.colocate_with(colocate_with, ignore_existing=True)
+        _tf_internals.colocate_with(colocate_with, ignore_existing=True)
         if colocate_with is not None
         else contextlib.nullcontext()
     )
     with scope:
-        if all(isinstance(g, _indexed_slices.IndexedSlices) for g in grads):
+        if all(isinstance(g, tf.IndexedSlices) for g in grads):
             dense_shape = next(
                 (g.dense_shape for g in grads if g.dense_shape is not None), None
             )
-            return _indexed_slices.IndexedSlices(
+            return tf.IndexedSlices(
                 tf.concat([g.values for g in grads], axis=0),
                 tf.concat([g.indices for g in grads], axis=0),
                 dense_shape,
@@ -252,7 +248,7 @@ def sum_gradients(
 
 def tensors_of(gradient) -> list:
     """The tensors a gradient (dense or ``IndexedSlices``) is made of."""
-    if isinstance(gradient, _indexed_slices.IndexedSlices):
+    if isinstance(gradient, tf.IndexedSlices):
         parts = [gradient.values, gradient.indices]
         if gradient.dense_shape is not None:
             parts.append(gradient.dense_shape)
@@ -270,42 +266,23 @@ def _unique_ops(ops: Iterable[tf.Operation]) -> list:
     return unique
 
 
-def is_trainable(t: tf.Tensor) -> bool:
-    """Whether ``tf.gradients`` lets gradients flow through ``t``: :func:`graph.carries_gradient`."""
-    return graph_lib.carries_gradient(t)
-
-
-def blocks_gradients(op: tf.Operation) -> bool:
-    """Whether ``op``'s registered gradient is None (``tf.no_gradient``: StopGradient,
-    Shape, ...): no gradient flows from its outputs to its inputs.  An op with no
-    gradient registered at all does not count (``tf.gradients`` raises on it)."""
-    try:
-        return _ops.get_gradient_function(op) is None
-    except LookupError:
-        return False
-
-
 def unused_output_gradient(t: tf.Tensor):
     """What ``tf.gradients`` gives for output ``t`` of an op it differentiates, when no
     gradient reaches ``t``: zeros if ``t`` is trainable and the op has a gradient, else None."""
-    from tensorflow.python.eager import backprop_util as _backprop_util
-    from tensorflow.python.ops import control_flow_state as _control_flow_state
-    from tensorflow.python.ops import default_gradient as _default_gradient
-
     try:
-        has_gradient = _ops.get_gradient_function(t.op) is not None
+        has_gradient = _tf_internals.gradient_function(t.op) is not None
     except LookupError:
         has_gradient = False
-    if not (has_gradient and _backprop_util.IsTrainable(t)
-            and _default_gradient.supports_default_grad(t)):
+    if not (has_gradient and _tf_internals.is_trainable(t)
+            and _tf_internals.supports_default_grad(t)):
         return None
-    with _ops.name_scope(t.op.name + "_grad"):
-        return _control_flow_state.ZerosLike(t.op, t.value_index)
+    with _tf_internals.name_scope(t.op.name + "_grad"):
+        return _tf_internals.zeros_like_output(t.op, t.value_index)
 
 
 def zeros_like_gradient(x: tf.Tensor) -> tf.Tensor:
     """What ``tf.gradients`` returns for an unconnected ``x`` with ``unconnected_gradients='zero'``."""
-    return _gradients_util._ZerosLike(x)  # pylint: disable=protected-access
+    return _tf_internals.zeros_like_unconnected(x)
 
 
 def proxies(
@@ -351,7 +328,7 @@ def proxies(
         for proxy in made.values():
             # not tf.control_dependencies: it would mark the waited-for ops
             # (originals) with an attribute, changing their NodeDefs
-            proxy.op._add_control_inputs(waits)  # pylint: disable=protected-access
+            _tf_internals.add_control_inputs(proxy.op, waits)
     return made
 
 
@@ -405,13 +382,8 @@ def op_gradients(
     zeros are used, as ``tf.gradients`` does).  Raises LookupError, naming
     the op, when its type has no registered gradient.
     """
-    from tensorflow.python.eager import backprop_util as _backprop_util
-    from tensorflow.python.ops import control_flow_ops as _control_flow_ops
-    from tensorflow.python.ops import control_flow_state as _control_flow_state
-    from tensorflow.python.ops import default_gradient as _default_gradient
-
     try:
-        grad_fn = _ops.get_gradient_function(op)
+        grad_fn = _tf_internals.gradient_function(op)
     except LookupError:
         raise LookupError(
             f"No gradient defined for operation '{op.name}' (op type: {op.type})."
@@ -421,23 +393,24 @@ def op_gradients(
     grads = _named_here(output_grads, op.outputs, colocate_gradients_with_ops)
     for i, g in enumerate(grads):
         output = op.outputs[i]
-        if g is None and _backprop_util.IsTrainable(output) and (
-            _default_gradient.supports_default_grad(output)
+        if g is None and _tf_internals.is_trainable(output) and (
+            _tf_internals.supports_default_grad(output)
         ):
-            grads[i] = _control_flow_state.ZerosLike(op, i)
+            grads[i] = _tf_internals.zeros_like_output(op, i)
     graph = op.graph
     uid = graph.unique_name("uid")
     colocation = (
-        _ops._colocate_with_for_gradient(op, uid)  # pylint: disable=protected-access
+        _tf_internals.colocate_with_for_gradient(op, uid)
         if colocate_gradients_with_ops
         else contextlib.nullcontext()
     )
-    with colocation, _ops.name_scope(op.name + "_grad"), graph._original_op(op):  # pylint: disable=protected-access
+    with colocation, _tf_internals.name_scope(op.name + "_grad"), (
+            _tf_internals.original_op_scope(graph, op)):
         in_grads = grad_fn(op, *grads)
     in_grads = list(in_grads) if isinstance(in_grads, (list, tuple)) else [in_grads]
     if gate_gradients and len([g for g in in_grads if g is not None]) > 1:
-        with _ops.device(None):
-            in_grads = _control_flow_ops.tuple(in_grads)
+        with _tf_internals.device_scope(None):
+            in_grads = _tf_internals.gated_tuple(in_grads)
     for i, (t, g) in enumerate(zip(op.inputs, in_grads)):
         if isinstance(g, tf.Tensor) and t.dtype != tf.resource:
             try:  # as tf.gradients: a gradient must fit its input (e.g. grad_ys' shapes)
@@ -487,7 +460,7 @@ def gradient_kind(gradient) -> str:
     """``'none'``, ``'sparse'`` (an ``IndexedSlices``) or ``'dense'``."""
     if gradient is None:
         return "none"
-    if isinstance(gradient, _indexed_slices.IndexedSlices):
+    if isinstance(gradient, tf.IndexedSlices):
         return "sparse"
     return "dense"
 
@@ -495,7 +468,7 @@ def gradient_kind(gradient) -> str:
 _observing = threading.local()  # this thread's stack of GradientCalls
 _patch_lock = threading.Lock()
 _patch_users = 0
-_ORIGINAL_GET_GRADIENT_FUNCTION = _ops.get_gradient_function
+_ORIGINAL_GET_GRADIENT_FUNCTION = _tf_internals.ORIGINAL_GRADIENT_FUNCTION_LOOKUP
 
 
 def _current_calls():
@@ -544,7 +517,7 @@ def observed_gradient_calls(graph: tf.Graph):
         stack = _observing.stack = []
     with _patch_lock:
         _patch_users += 1
-        _ops.get_gradient_function = _observing_get_gradient_function
+        _tf_internals.replace_gradient_function_lookup(_observing_get_gradient_function)
     stack.append(calls)
     try:
         yield calls
@@ -553,4 +526,4 @@ def observed_gradient_calls(graph: tf.Graph):
         with _patch_lock:
             _patch_users -= 1
             if not _patch_users:
-                _ops.get_gradient_function = _ORIGINAL_GET_GRADIENT_FUNCTION
+                _tf_internals.replace_gradient_function_lookup(_ORIGINAL_GET_GRADIENT_FUNCTION)

@@ -25,27 +25,18 @@ from typing import Sequence
 
 import numpy as np
 
-from ._tensorflow import tf
 from . import graph as graph_lib
+from . import ops as op_types
+from . import schedule as schedule_lib
+from ._tensorflow import tf
 
-ALIAS_OP_TYPES = frozenset(
-    {
-        "Identity", "Reshape", "Squeeze", "ExpandDims", "StopGradient",
-        "ReadVariableOp", "Snapshot", "EnsureShape", "PreventGradient",
-    }
-)
+#: :data:`.ops.ALIASES`: outputs that share their input's buffer.
+ALIAS_OP_TYPES = op_types.ALIASES
 
 _END = float("inf")
 
-#: Op types whose output holds exactly the elements of their first input.
-_SAME_ELEMENTS_OP_TYPES = frozenset({"Reshape", "Squeeze", "ExpandDims"})
-
-
-def _dtype_size(tensor: tf.Tensor) -> int:
-    try:
-        return tensor.dtype.size if tensor.dtype not in (tf.resource, tf.variant) else 0
-    except TypeError:  # strings
-        return 0
+#: :data:`.ops.SAME_ELEMENTS`: outputs that hold exactly their first input's elements.
+_SAME_ELEMENTS_OP_TYPES = op_types.SAME_ELEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +77,7 @@ class Sizer:
             if shape.rank is None or not shape.is_fully_defined():
                 if graph_lib.has_unknown_size(tensor):
                     self.assumed.add(tensor.name)
-                dims = self.shape(tensor)
-                size = (
-                    graph_lib.tensor_bytes(tensor) if dims is None
-                    else int(np.prod(dims, dtype=np.float64)) * _dtype_size(tensor)
-                )
+                size = graph_lib.tensor_bytes(tensor, dims=self.shape(tensor))
             else:
                 size = graph_lib.tensor_bytes(tensor)
             found = self._bytes[id(tensor)] = (tensor, size)
@@ -174,10 +161,8 @@ class Sizer:
         )
 
 
-CONVOLUTION_OP_TYPES = frozenset(
-    {"Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
-     "Conv3DBackpropInputV2"}
-)
+#: :data:`.ops.CONVOLUTIONS`.
+CONVOLUTION_OP_TYPES = op_types.CONVOLUTIONS
 
 
 def workspace_note(region, onednn: bool, gpu: bool) -> tuple:
@@ -362,12 +347,16 @@ class _Gradients:
             for key in self.pending.pop(ref, ()):
                 self.timeline.buffers[key][1] = step
 
-    def finish(self, keep: bool = True) -> None:
-        """Gradients never consumed (those of xs): fetched (kept to the end) or used at once."""
-        for keys in self.pending.values():
+    def finish(self, keep: bool = True, results=None) -> None:
+        """Gradients never consumed (those of xs): fetched (kept to the end) or used at once.
+
+        ``results``: refs of the tensors whose gradients are the results (all, if
+        None); the others (a ``stop_gradients`` tensor's) are read by nothing."""
+        for ref, keys in self.pending.items():
+            fetched = keep and (results is None or ref in results)
             for key in keys:
                 buffer = self.timeline.buffers[key]
-                buffer[1] = _END if keep else buffer[0]
+                buffer[1] = _END if fetched else buffer[0]
 
 
 def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=lambda k: k):
@@ -438,54 +427,80 @@ def predict_checkpointed(
     unknown_dim: int = 1,
     fetched: bool = True,
     sizer: Sizer | None = None,
+    stops: Sequence[tf.Tensor] = (),
+    schedule: schedule_lib.Schedule | None = None,
 ) -> Prediction:
-    """Predicted peak of :func:`checkpointing.gradients` with these checkpoints (see
-    :func:`predict_baseline` for ``fetched``; ``sizer`` shares sizes between predictions)."""
+    """Predicted peak of :func:`checkpointing.gradients` with these checkpoints and
+    ``stop_gradients=stops`` (see :func:`predict_baseline` for ``fetched``; ``sizer``
+    shares sizes between predictions; ``schedule``: their backward schedule, when
+    already worked out).  The backward pass takes the steps of
+    :func:`.schedule.backward_schedule`, as the rewrite does."""
     size = sizer or Sizer(unknown_dim)
     timeline, step = _forward_timeline(region, size)
     grads = _Gradients(timeline)
     xs_refs = {x.ref() for x in xs}
     memo = _backward_memo(size, region, xs_refs)
-    kept = graph_lib.boundary_tensors(region, ys, xs, checkpoints)
+    if schedule is None:
+        schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops)
     for y in ys:
         grads.add(y.ref(), size(y), step)
-    groups = graph_lib.backward_groups(region, kept, {t.op for t in kept.values() if t.op in region})
-    recompute_work = 0.0
-    recomputed = collections.Counter()
-    for index, (group, segment) in enumerate(groups):
-        if not any(t.ref() in kept and grads.has(t) for op in group for t in op.outputs):
-            continue
-        inside = set(segment.ops) if segment.recompute else set()
-
-        def rename(ref, inside=inside, index=index):
-            tensor = ref.deref()
-            return (index, ref) if tensor.op in inside else ref
-
-        if segment.recompute:
-            running = graph_lib.copies_that_run(
-                segment.ops, lambda t: t.op in region or t.ref() in xs_refs)
-            for seg_op in segment.ops:
-                if seg_op not in running:
-                    continue  # nothing reads this copy: grappler prunes it
-                step += 1
-                recompute_work += size.cost(seg_op)
-                recomputed[seg_op.type] += 1
-                for t in seg_op.inputs:
-                    timeline.use(rename(t.ref()), step)
-                for t in seg_op.outputs:
-                    key = (index, t.ref())
-                    if seg_op.type in ALIAS_OP_TYPES and seg_op.inputs:
-                        timeline.alias_of(key, rename(seg_op.inputs[0].ref()))
-                        if key not in timeline.alias:
-                            timeline.alloc(key, 0, step)
-                    else:
-                        timeline.alloc(key, size(t), step)
-        for seg_op in reversed(segment.ops):
-            step += 1
-            _backward_op(seg_op, step, timeline, grads, region, xs_refs, size, memo, rename)
-    grads.finish(fetched)
+    replay = _Replay(timeline, grads, region, xs_refs, size, memo, step)
+    for backward_step in schedule.steps:
+        # as the rewrite: a step runs when a gradient reaches one of its targets, and
+        # builds nothing when none of its gradients reaches an x
+        if any(grads.has(t) for t in backward_step.targets) and backward_step.inputs:
+            replay.take(backward_step)
+    grads.finish(fetched, xs_refs)
     forward_work = sum(size.cost(op) for op in region.order)
     return Prediction(
-        timeline.peak(step + 1), recompute_work, forward_work, size.assumptions(),
-        tuple(recomputed.most_common()),
+        timeline.peak(replay.step + 1), replay.recompute_work, forward_work, size.assumptions(),
+        tuple(replay.recomputed.most_common()),
     )
+
+
+class _Replay:
+    """The backward steps of a checkpointed pass on a timeline: recomputations and gradients."""
+
+    def __init__(self, timeline, grads, region, xs_refs, size, memo, step):
+        self.timeline, self.grads, self.region = timeline, grads, region
+        self.xs_refs, self.size, self.memo = xs_refs, size, memo
+        self.step = step  # the last step taken
+        self.recompute_work = 0.0
+        self.recomputed: collections.Counter = collections.Counter()
+
+    def take(self, backward_step) -> None:
+        """One step: its segment's recomputation, if recomputed, then its ops' gradients."""
+        segment, index = backward_step.segment, backward_step.index
+        recompute = backward_step.handling == schedule_lib.RECOMPUTED
+        inside = set(segment.ops) if recompute else set()
+
+        def rename(ref):
+            return (index, ref) if ref.deref().op in inside else ref
+
+        if recompute:
+            self._recompute(segment.ops, index, rename)
+        for op in reversed(segment.ops):
+            self.step += 1
+            _backward_op(op, self.step, self.timeline, self.grads, self.region, self.xs_refs,
+                         self.size, self.memo, rename)
+
+    def _recompute(self, ops, index, rename) -> None:
+        """The copies of ``ops`` that run (:func:`graph.copies_that_run`), in order."""
+        region, xs_refs, timeline = self.region, self.xs_refs, self.timeline
+        running = graph_lib.copies_that_run(ops, lambda t: t.op in region or t.ref() in xs_refs)
+        for op in ops:
+            if op not in running:
+                continue  # nothing reads this copy: grappler prunes it
+            self.step += 1
+            self.recompute_work += self.size.cost(op)
+            self.recomputed[op.type] += 1
+            for t in op.inputs:
+                timeline.use(rename(t.ref()), self.step)
+            for t in op.outputs:
+                key = (index, t.ref())
+                if op.type in ALIAS_OP_TYPES and op.inputs:
+                    timeline.alias_of(key, rename(op.inputs[0].ref()))
+                    if key not in timeline.alias:
+                        timeline.alloc(key, 0, self.step)
+                else:
+                    timeline.alloc(key, self.size(t), self.step)

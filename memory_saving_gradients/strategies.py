@@ -9,15 +9,16 @@ with :func:`register`.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
-from ._tensorflow import tf
-from . import _gc
+from . import _gc, simulate
 from . import batch as batch_lib
 from . import budget as budget_lib
 from . import cuts as cuts_lib
 from . import graph as graph_lib
-from . import simulate
+from . import ops as op_types
+from ._tensorflow import tf
+from ._units import MIB
 from .graph import ForwardRegion
 
 Strategy = Callable[..., list]
@@ -61,14 +62,8 @@ def collection(
     return [t for t in graph.get_collection(COLLECTION_NAME) if isinstance(t, tf.Tensor)]
 
 
-# Op types whose outputs 'speed' keeps: the expensive ones to recompute.
-EXPENSIVE_OP_TYPES = frozenset(
-    {
-        "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput",
-        "Conv3DBackpropInputV2", "_FusedConv2D", "MatMul", "_FusedMatMul",
-        "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum",
-    }
-)
+#: Op types whose outputs 'speed' keeps: :data:`.ops.EXPENSIVE`.
+EXPENSIVE_OP_TYPES = op_types.EXPENSIVE
 
 
 @register("speed")
@@ -124,7 +119,7 @@ def balanced(
     unknown_dim: int = 1,
     **_,
 ) -> list:
-    """A trade between the least peak and recomputation (what 'memory' did before).
+    """A trade between the least peak and recomputation.
 
     Each plan proposed is scored by its recomputation (in forward passes)
     plus ``MEMORY_WEIGHT`` times its peak (in least peaks), and the lowest
@@ -208,6 +203,110 @@ SLACK_PROBES = 4
 FLOOR_PROBES = (1.1,)
 
 
+class Proposal(NamedTuple):
+    """A plan proposed as checkpoints, and what simulating it found."""
+
+    peak: int            # simulated peak bytes
+    model_work: float    # recomputation as the dynamic program counts it (the simulated
+                         # one for a plan the program did not propose)
+    tensors: list        # the checkpoints
+    work: float          # simulated recomputation
+
+
+class Floor(NamedTuple):
+    """A segment model's floor: the least budget its program finds feasible, and the
+    proposal there."""
+
+    problem: budget_lib.CutProblem
+    budget: float
+    proposal: Proposal
+
+
+class _Proposals:
+    """The plans the dynamic programs propose for one graph, each simulated once.
+
+    Two models of a segment's bytes (see ``budget.CutProblem``) each propose;
+    the simulation of :mod:`.simulate` judges every proposal.
+    """
+
+    def __init__(self, ys, xs, region, cuts, unknown_dim: int, fetched: bool,
+                 size: simulate.Sizer):
+        self.ys, self.xs, self.region = ys, xs, region
+        self.unknown_dim, self.fetched, self.size = unknown_dim, fetched, size
+        fixed = sum(
+            graph_lib.tensor_bytes(x, unknown_dim) for x in xs
+            if graph_lib.is_float_or_complex(x)
+        ) if fetched else 0
+        self.problems = [budget_lib.CutProblem(cuts, fixed, held_only)
+                         for held_only in (False, True)]
+        self._recomputable = [tuple(t for t in ts if region.is_recomputable(t.op))
+                              for ts in cuts.tensors]
+        self._simulated: dict = {}
+
+    @property
+    def forward_work(self) -> float:
+        """The modelled work of one forward pass."""
+        return float(self.problems[0].work_prefix[-1])
+
+    def baseline_peak(self) -> int:
+        """Plain ``tf.gradients``' simulated peak."""
+        return simulate.predict_baseline(self.region, self.ys, self.xs, self.unknown_dim,
+                                         self.fetched, self.size).peak_bytes
+
+    def at(self, problem, model_budget: float, solution=None) -> Proposal | None:
+        """The proposal of ``problem``'s program at ``model_budget`` (or of its
+        ``solution`` there), None if the program finds none."""
+        solution = solution or budget_lib.least_recompute(problem, model_budget)
+        if solution is None:
+            return None
+        chosen_cuts, model_work = solution
+        key = tuple(chosen_cuts)
+        if key not in self._simulated:
+            tensors = [t for i in chosen_cuts for t in self._recomputable[i - 1]]
+            predicted = self._predict(tensors)
+            self._simulated[key] = Proposal(predicted.peak_bytes, model_work, tensors,
+                                            predicted.recompute_work)
+        return self._simulated[key]
+
+    def of_tensors(self, tensors) -> Proposal | None:
+        """A given list of checkpoints, simulated as a proposal (its ``model_work`` the
+        simulated one), or None if none of them lies between xs and ys."""
+        excluded = {t.ref() for t in list(self.ys) + list(self.xs)}
+        kept = {}
+        for t in tensors:
+            if (t.ref() not in excluded and self.region.produces(t)
+                    and self.region.is_recomputable(t.op)):
+                kept.setdefault(t.ref(), t)
+        if not kept:
+            return None
+        kept = sorted(kept.values(), key=graph_lib.tensor_order)
+        predicted = self._predict(kept)
+        return Proposal(predicted.peak_bytes, predicted.recompute_work, kept,
+                        predicted.recompute_work)
+
+    def _predict(self, tensors):
+        return simulate.predict_checkpointed(self.region, self.ys, self.xs, tensors,
+                                             self.unknown_dim, self.fetched, self.size)
+
+    def floors(self) -> tuple:
+        """``(floors, lowest)``: each model's :class:`Floor`, and the proposal of least
+        simulated peak near them (None if no model has a floor).
+
+        Near a floor, the simulated peak need not rise with the model's
+        budget, so a few budgets just above it are tried too.
+        """
+        floors, found = [], []
+        for problem in self.problems:
+            floor, at_floor = budget_lib.refine_floor(problem,
+                                                      budget_lib.smallest_budget(problem))
+            if at_floor is None:
+                continue
+            floors.append(Floor(problem, floor, self.at(problem, floor, at_floor)))
+            found += [floors[-1].proposal] + [self.at(problem, floor * f) for f in FLOOR_PROBES]
+        found = [p for p in found if p]
+        return floors, min(found, key=lambda p: (p.peak, p.model_work)) if found else None
+
+
 @_gc.without_cyclic_gc
 def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
                        trade: bool = False, sizer: simulate.Sizer | None = None) -> list:
@@ -228,96 +327,82 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
     # xs fetched, alive to the end.  Without one, as in a training step, where
     # each is used by its update at once (else large weights hide the saving).
     fetched = memory_budget is not None
-    fixed = sum(
-        graph_lib.tensor_bytes(x, unknown_dim) for x in xs if graph_lib.is_float_or_complex(x)
-    ) if fetched else 0
-    # Two models of a segment's bytes (see budget.CutProblem): each proposes,
-    # the simulation judges every proposal.
-    problems = [budget_lib.CutProblem(cuts, fixed, held_only) for held_only in (False, True)]
-
-    simulated: dict = {}
-    recomputable = [tuple(t for t in ts if region.is_recomputable(t.op)) for ts in cuts.tensors]
-
-    def proposal(problem, model_budget, solution=None):
-        solution = solution or budget_lib.least_recompute(problem, model_budget)
-        if solution is None:
-            return None
-        key = tuple(solution[0])
-        if key not in simulated:
-            tensors = [t for i in solution[0] for t in recomputable[i - 1]]
-            predicted = simulate.predict_checkpointed(
-                region, ys, xs, tensors, unknown_dim, fetched, size
-            )
-            # (simulated peak, the program's recomputation, tensors, simulated recomputation)
-            simulated[key] = (predicted.peak_bytes, solution[1], tensors,
-                              predicted.recompute_work)
-        return simulated[key]
-
-    def least_feasible():
-        """Each model's floor (the least budget its program finds feasible), and the
-        plan of least simulated peak near them.
-
-        Near a floor, the simulated peak need not rise with the model's
-        budget, so a few budgets just above it are tried too.
-        """
-        floors, found = [], []
-        for problem in problems:
-            floor, at_floor = budget_lib.refine_floor(problem, budget_lib.smallest_budget(problem))
-            if at_floor is None:
-                continue
-            floors.append((problem, floor, proposal(problem, floor, at_floor)))
-            found += [floors[-1][2]] + [proposal(problem, floor * f) for f in FLOOR_PROBES]
-        found = [p for p in found if p]
-        return floors, min(found, key=lambda p: (p[0], p[1])) if found else None
-
+    proposals = _Proposals(ys, xs, region, cuts, unknown_dim, fetched, size)
     if memory_budget is None:
-        baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, size).peak_bytes
-        floors, lowest = least_feasible()
-        if lowest is None or lowest[0] >= baseline:
-            return []
-        if trade:
-            limit = lowest[0] + min(MEMORY_SLACK * lowest[0],
-                                    SAVING_SLACK * (baseline - lowest[0]))
-        else:
-            limit = lowest[0] * (1 + LEAST_PEAK_TOLERANCE)
-        candidates = [lowest]
-        for problem, floor, at_floor in floors:
-            candidates += _probes(lambda b: proposal(problem, b), floor, at_floor, limit)
-        if trade:
-            chosen = _best_trade(candidates, lowest[0], limit, float(problems[0].work_prefix[-1]))
-        else:
-            # a probe may simulate lower than the floors' plans: 5% of the least of all
-            least = min(p[0] for p in candidates)
-            chosen = min((p for p in candidates if p[0] <= least * (1 + LEAST_PEAK_TOLERANCE)),
-                         key=lambda p: (p[1], p[0]))
-        return chosen[2] if chosen[0] < baseline else lowest[2]
-    if simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, size).peak_bytes <= \
-            memory_budget:
+        return _unbudgeted_choice(proposals, trade)
+    return _budgeted_choice(proposals, memory_budget)
+
+
+def _unbudgeted_choice(proposals: _Proposals, trade: bool) -> list:
+    """Without a budget: near the least peak (``trade=False``), or the best trade."""
+    baseline = proposals.baseline_peak()
+    floors, lowest = proposals.floors()
+    if lowest is None or lowest.peak >= baseline:
+        return []
+    if trade:
+        limit = lowest.peak + min(MEMORY_SLACK * lowest.peak,
+                                  SAVING_SLACK * (baseline - lowest.peak))
+    else:
+        limit = lowest.peak * (1 + LEAST_PEAK_TOLERANCE)
+    candidates = [lowest]
+    for floor in floors:
+        candidates += _probes(lambda b, problem=floor.problem: proposals.at(problem, b),
+                              floor.budget, floor.proposal, limit)
+    if trade:
+        chosen = _best_trade(candidates, lowest.peak, limit, proposals.forward_work)
+    else:
+        chosen = _near_least_peak(candidates)
+    return chosen.tensors if chosen.peak < baseline else lowest.tensors
+
+
+def _near_least_peak(candidates: list) -> Proposal:
+    """The least recomputation among the candidates within ``LEAST_PEAK_TOLERANCE`` of
+    the least peak of all (a probe may simulate lower than the floors' plans)."""
+    least = min(p.peak for p in candidates)
+    return min((p for p in candidates if p.peak <= least * (1 + LEAST_PEAK_TOLERANCE)),
+               key=lambda p: (p.model_work, p.peak))
+
+
+def _least_work(proposals: list) -> Proposal:
+    """The proposal of least simulated recomputation; the lower peak breaks ties."""
+    return min(proposals, key=lambda p: (p.work, p.peak))
+
+
+def _budgeted_choice(proposals: _Proposals, memory_budget) -> list:
+    """With a budget: the least recomputation whose simulated peak fits it.
+
+    Raises ValueError if no proposal fits.
+    """
+    if proposals.baseline_peak() <= memory_budget:
         return []  # plain tf.gradients fits: nothing to recompute
     # Plans of other shapes: the DP's cuts are live sets along one order, and at
     # large budgets 'speed' (every convolution's output kept) can recompute less.
-    others = [_simulated(region, ys, xs, speed(ys, xs, region), unknown_dim, fetched, size)]
-    others = [p for p in others if p and p[0] <= memory_budget]
+    others = [proposals.of_tensors(speed(proposals.ys, proposals.xs, proposals.region))]
+    others = [p for p in others if p and p.peak <= memory_budget]
     fitting = []
-    for problem in problems:
-        fitting += _fitting_proposals(lambda b, problem=problem: proposal(problem, b),
+    for problem in proposals.problems:
+        fitting += _fitting_proposals(lambda b, problem=problem: proposals.at(problem, b),
                                       float(memory_budget))
     if fitting:
-        return min(fitting + others, key=lambda p: (p[3], p[0]))[2]
-    floors, lowest = least_feasible()
-    proposals = [lowest] + [proposal(problem, floor + 0.15 * memory_budget)
-                            for problem, floor, _ in floors]
-    proposals = [p for p in proposals if p]
-    fitting = [p for p in proposals if p[0] <= memory_budget] + others
+        return _least_work(fitting + others).tensors
+    floors, lowest = proposals.floors()
+    above = [lowest] + [proposals.at(floor.problem, floor.budget + ABOVE_FLOOR * memory_budget)
+                        for floor in floors]
+    above = [p for p in above if p]
+    fitting = [p for p in above if p.peak <= memory_budget] + others
     if fitting:
-        return min(fitting, key=lambda p: (p[3], p[0]))[2]
-    lowest = min((p[0] for p in proposals), default=float("nan"))
+        return _least_work(fitting).tensors
+    least = min((p.peak for p in above), default=float("nan"))
     raise ValueError(
-        f"memory_budget={memory_budget / 2**20:.1f} MB cannot be met: the smallest peak "
-        f"the memory model finds for this graph is {lowest / 2**20:.1f} MB "
-        f"({lowest} bytes). Raise the budget, or reduce the batch size."
+        f"memory_budget={memory_budget / MIB:.1f} MB cannot be met: the smallest peak "
+        f"the memory model finds for this graph is {least / MIB:.1f} MB "
+        f"({least} bytes). Raise the budget, or reduce the batch size."
     )
 
+
+#: When lowering the program's budget finds no plan that fits, one more proposal
+#: per model: at its floor plus this fraction of the memory budget.
+ABOVE_FLOOR = 0.15
 
 #: Model budgets tried above the first that fits, while they still fit: the
 #: program's model of a segment over-states some plans, so a larger model
@@ -325,75 +410,75 @@ def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
 #: 8: at 0.6 of the baseline the first fit was predicted at 17.98 MB with 0.127
 #: of a forward pass recomputed; 0.8's plan, 17.48 MB and 0.123, fits as well).
 UPWARD_PROBES = 2
+#: The least factor by which each of those probes raises the program's budget
+#: (by more where the last plan fits with room: by the budget over its peak).
+UPWARD_STEP = 1.05
+#: Tries at lowering the program's budget until a plan fits.
+FIT_TRIES = 5
+#: Each try lowers the program's budget by the ratio of the memory budget to the
+#: last plan's simulated peak, times this factor, so that the next plan aims 3%
+#: below the memory budget instead of at it.
+FIT_UNDERSHOOT = 0.97
 
 
 def _fitting_proposals(proposal, budget: float) -> list:
     """Proposals whose simulated peak fits ``budget``: the program's budget is lowered
-    until one fits (at most 5 tries), then raised while they still fit."""
+    until one fits (at most ``FIT_TRIES`` tries), then raised while they still fit."""
     target, found = budget, None
-    for _ in range(5):
+    for _ in range(FIT_TRIES):
         found = proposal(target)
-        if found is None or found[0] <= budget:
+        if found is None or found.peak <= budget:
             break
-        target *= 0.97 * budget / found[0]
-    if found is None or found[0] > budget:
+        target *= FIT_UNDERSHOOT * budget / found.peak
+    if found is None or found.peak > budget:
         return []
     fitting = [found]
     for _ in range(UPWARD_PROBES):
-        target *= max(1.05, budget / max(found[0], 1))
+        target *= max(UPWARD_STEP, budget / max(found.peak, 1))
         found = proposal(target)
-        if found is None or found[0] > budget:
+        if found is None or found.peak > budget:
             break
         fitting.append(found)
     return fitting
 
 
-def _simulated(region, ys, xs, tensors, unknown_dim, fetched, size):
-    """``(peak, recompute work, tensors, recompute work)`` of a given list of checkpoints
-    (the shape of the planner's proposals, simulated), or None if
-    none of them lies between xs and ys."""
-    excluded = {t.ref() for t in list(ys) + list(xs)}
-    kept = {}
-    for t in tensors:
-        if t.ref() not in excluded and region.produces(t) and region.is_recomputable(t.op):
-            kept.setdefault(t.ref(), t)
-    if not kept:
-        return None
-    kept = sorted(kept.values(), key=graph_lib.tensor_order)
-    predicted = simulate.predict_checkpointed(region, ys, xs, kept, unknown_dim, fetched, size)
-    return predicted.peak_bytes, predicted.recompute_work, kept, predicted.recompute_work
+#: The largest model budget the probes try is this factor above ``limit`` scaled by
+#: the floor's ratio of model budget to simulated peak: that ratio is measured at the
+#: floor only, and the first probe whose plan peaks above ``limit`` ends the search.
+PROBE_HEADROOM = 1.25
 
 
-def _probes(proposal, floor, at_floor, limit) -> list:
+def _probes(proposal, floor, at_floor: Proposal, limit) -> list:
     """Proposals for up to ``SLACK_PROBES`` model budgets above ``floor``.
 
     Larger model budgets recompute less and peak higher; the model's budget
     and the simulated peak differ by a factor, measured at the floor, so the
     budgets are spaced evenly in ratio between the floor and ``limit``
-    scaled by that factor.  The first proposal above ``limit`` ends the search.
-    ``at_floor``: the proposal at the floor.
+    scaled by that factor (and ``PROBE_HEADROOM``).  The first proposal above
+    ``limit`` ends the search.  ``at_floor``: the proposal at the floor.
     """
-    scale = floor / max(at_floor[0], 1)
-    top = max(floor, limit * scale) * 1.25
+    scale = floor / max(at_floor.peak, 1)
+    top = max(floor, limit * scale) * PROBE_HEADROOM
     found = []
     for k in range(1, SLACK_PROBES + 1):
         p = proposal(floor * (top / floor) ** (k / SLACK_PROBES))
         if p is None:
             continue
         found.append(p)
-        if p[0] > limit:  # larger budgets peak higher still
+        if p.peak > limit:  # larger budgets peak higher still
             break
     return found
 
 
-def _best_trade(candidates, least_peak, limit, forward_work):
+def _best_trade(candidates, least_peak, limit, forward_work) -> Proposal:
     """The candidate within ``limit`` of least ``recompute / forward + MEMORY_WEIGHT *
     peak / least_peak``; scores within ``SCORE_TIE`` of it count as equal, and
     the least peak among them is taken."""
 
     def score(p):
-        return p[1] / max(forward_work, 1.0) + MEMORY_WEIGHT * p[0] / max(least_peak, 1)
+        return p.model_work / max(forward_work, 1.0) + MEMORY_WEIGHT * p.peak / max(least_peak, 1)
 
-    within = [p for p in candidates if p[0] <= limit]
+    within = [p for p in candidates if p.peak <= limit]
     best = min(score(p) for p in within)
-    return min((p for p in within if score(p) <= best + SCORE_TIE), key=lambda p: (p[0], p[1]))
+    return min((p for p in within if score(p) <= best + SCORE_TIE),
+               key=lambda p: (p.peak, p.model_work))

@@ -36,17 +36,13 @@ import logging
 import threading
 import warnings
 
-from tensorflow.python.eager import backprop as _backprop
-from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
-
-from ._tensorflow import tf
+from . import _tensorflow as _tf_internals
 from . import graph as graph_lib
-from .checkpointing import gradients as _checkpointed_gradients
-from .checkpointing import building_gradients, check_arguments
+from . import notices, recovery, reporting
 from ._nesting import Nesting
-from . import notices
-from . import recovery
-from . import reporting
+from ._tensorflow import tf
+from .checkpointing import building_gradients, check_arguments
+from .checkpointing import gradients as _checkpointed_gradients
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -54,13 +50,10 @@ _eager_warned = threading.Event()
 #: Inside ``jacobian``/``batch_jacobian`` (in this thread) tape gradients stay plain.
 plain_gradients = Nesting()
 
+#: The ``tf.GradientTape`` methods that :func:`hooked_methods` stands in for.
+HOOKED = ("_push_tape", "_pop_tape", "reset", "watch", "gradient", "jacobian", "batch_jacobian")
 #: TensorFlow's own GradientTape methods, captured before any hook is installed.
-ORIGINAL = {
-    name: _backprop.GradientTape.__dict__[name]
-    for name in (
-        "_push_tape", "_pop_tape", "reset", "watch", "gradient", "jacobian", "batch_jacobian",
-    )
-}
+ORIGINAL = {name: _tf_internals.GRADIENT_TAPE.__dict__[name] for name in HOOKED}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,24 +171,7 @@ def checkpointed_gradient(
     def plain():
         return ORIGINAL["gradient"](tape, target, sources, output_gradients, unconnected_gradients)
 
-    if tf.executing_eagerly():
-        reporting.ran_eagerly(config.record)
-        if not _eager_warned.is_set():
-            _eager_warned.set()
-            warnings.warn(
-                "memory_saving_gradients: GradientTape.gradient ran eagerly (outside a "
-                "tf.function, or in a Keras model compiled with run_eagerly=True): "
-                "nothing can be recomputed in eager mode, so these are plain "
-                "tf.GradientTape gradients (no memory saved). Call it inside a "
-                "tf.function (Keras: run_eagerly=False) to save memory. (Warned once.)",
-                notices.EagerExecutionWarning, stacklevel=3,
-            )
-        return plain()
-    reason = _plain_reason(tape)
-    if reason is not None:
-        logger.debug("memory_saving_gradients: plain tape gradient (%s)", reason)
-        if reason != "inside the library":
-            reporting.left_plain(config.record, reason)
+    if _stays_plain(tape, config):
         return plain()
     if target is None:
         raise TypeError(
@@ -204,29 +180,9 @@ def checkpointed_gradient(
         )
     flat_targets = tf.nest.flatten(target)
     flat_sources = tf.nest.flatten(sources)
-    unsupported = [
-        t for t in flat_targets + flat_sources
-        if not (isinstance(t, tf.Tensor) or is_variable(t))
-    ]
-    if unsupported:
-        logger.warning(
-            "memory_saving_gradients: %s is not a dense tensor or variable; using "
-            "tf.GradientTape's own gradient (no memory saved).",
-            type(unsupported[0]).__name__,
-        )
+    if not _rewritable(flat_targets + flat_sources):
         return plain()
-    eager = [t for t in flat_targets + flat_sources
-             if isinstance(t, tf.Tensor) and not tf.is_symbolic_tensor(t)]
-    if eager:
-        # e.g. the handle of a variable made outside the tf.function: the tape matches
-        # it to the capture it made; the graph holds no op of it to differentiate to
-        logger.warning(
-            "memory_saving_gradients: a target or source of GradientTape.gradient is an "
-            "eager tensor (%s), not a tensor of the graph being traced; using "
-            "tf.GradientTape's own gradient (no memory saved).", eager[0].dtype.name,
-        )
-        return plain()
-    if tape._tape is None:  # pylint: disable=protected-access
+    if _tf_internals.tape_is_used_up(tape):
         raise RuntimeError(
             "A non-persistent GradientTape can only be used to compute one set "
             "of gradients (or jacobians)"
@@ -237,34 +193,23 @@ def checkpointed_gradient(
     if graph is not recording.graph:
         logger.debug("memory_saving_gradients: target not in the tape's graph; plain gradient")
         return plain()
-    if tape._recording:  # pylint: disable=protected-access
-        if not tape._persistent:  # pylint: disable=protected-access
-            tape._pop_tape()  # pylint: disable=protected-access
-        else:
-            # Keep recording, but the ops made so far are what gets differentiated.
-            recording.close()
-            recording.open()
-    watched = {_handle_key(v) for v in tape.watched_variables()}
-    if not tape._persistent:  # pylint: disable=protected-access
-        tape._watched_variables = tape._tape.watched_variables()  # pylint: disable=protected-access
-        tape._tape = None  # as tf.GradientTape: one gradient() per tape  # pylint: disable=protected-access
-
+    watched = _end_recording(tape, recording)
     grad_ys = None
     if output_gradients is not None:
         grad_ys = [
             None if g is None else tf.convert_to_tensor(g)
             for g in tf.nest.flatten(output_gradients)
         ]
-    connected, xs = [], []
-    for i, s in enumerate(flat_sources):
-        if is_variable(s):
-            if _handle_key(s) in watched:
-                connected.append(i)
-                xs.append(s)
-        elif recording.recorded(s.op) or s.ref() in recording.watched:
-            connected.append(i)
-            xs.append(s)
+    results = _source_gradients(config, ys, grad_ys, flat_sources, recording, watched,
+                                unconnected_gradients)
+    return tf.nest.pack_sequence_as(sources, results)
 
+
+def _source_gradients(config: Config, ys: list, grad_ys, flat_sources: list,
+                      recording: _Recording, watched: set, unconnected_gradients) -> list:
+    """One gradient per source, by :func:`gradients` from ``ys`` on the recorded ops;
+    None (zeros with ``unconnected_gradients='zero'``) where the tape gives none."""
+    connected, xs = _recorded_sources(flat_sources, recording, watched)
     results = [None] * len(flat_sources)
     if xs:
         options = dict(config.options)
@@ -274,7 +219,7 @@ def checkpointed_gradient(
                 xs,
                 grad_ys,
                 checkpoints=config.checkpoints,
-                stop_gradients=_unrecorded_inputs(recording, graph, xs) or None,
+                stop_gradients=_unrecorded_inputs(recording, ys[0].graph, xs) or None,
                 unconnected_gradients=unconnected_gradients,
                 **options,
             )
@@ -284,7 +229,88 @@ def checkpointed_gradient(
         for i, s in enumerate(flat_sources):
             if results[i] is None:
                 results[i] = tf.zeros_like(s)
-    return tf.nest.pack_sequence_as(sources, results)
+    return results
+
+
+def _stays_plain(tape, config: Config) -> bool:
+    """Whether this gradient call must be the tape's own (eager, jacobian, inside the
+    library, a tape older than the patch); says so where the user should hear it."""
+    if tf.executing_eagerly():
+        reporting.ran_eagerly(config.record)
+        if not _eager_warned.is_set():
+            _eager_warned.set()
+            warnings.warn(
+                "memory_saving_gradients: GradientTape.gradient ran eagerly (outside a "
+                "tf.function, or in a Keras model compiled with run_eagerly=True): "
+                "nothing can be recomputed in eager mode, so these are plain "
+                "tf.GradientTape gradients (no memory saved). Call it inside a "
+                "tf.function (Keras: run_eagerly=False) to save memory. (Warned once.)",
+                notices.EagerExecutionWarning, stacklevel=4,
+            )
+        return True
+    reason = _plain_reason(tape)
+    if reason is not None:
+        logger.debug("memory_saving_gradients: plain tape gradient (%s)", reason)
+        if reason != "inside the library":
+            reporting.left_plain(config.record, reason)
+        return True
+    return False
+
+
+def _rewritable(values: list) -> bool:
+    """Whether every target and source is a graph tensor or a variable (else the tape's
+    own gradient is used, with a warning)."""
+    unsupported = [t for t in values if not (isinstance(t, tf.Tensor) or is_variable(t))]
+    if unsupported:
+        logger.warning(
+            "memory_saving_gradients: %s is not a dense tensor or variable; using "
+            "tf.GradientTape's own gradient (no memory saved).",
+            type(unsupported[0]).__name__,
+        )
+        return False
+    eager = [t for t in values if isinstance(t, tf.Tensor) and not tf.is_symbolic_tensor(t)]
+    if eager:
+        # e.g. the handle of a variable made outside the tf.function: the tape matches
+        # it to the capture it made; the graph holds no op of it to differentiate to
+        logger.warning(
+            "memory_saving_gradients: a target or source of GradientTape.gradient is an "
+            "eager tensor (%s), not a tensor of the graph being traced; using "
+            "tf.GradientTape's own gradient (no memory saved).", eager[0].dtype.name,
+        )
+        return False
+    return True
+
+
+def _end_recording(tape, recording: _Recording) -> set:
+    """End what ``gradient()`` differentiates, as ``tf.GradientTape.gradient`` does: a
+    non-persistent tape stops recording and is used up; a persistent one goes on in a
+    new span.  Returns the keys (:func:`_handle_key`) of the variables it watched."""
+    if _tf_internals.tape_is_recording(tape):
+        if not _tf_internals.tape_is_persistent(tape):
+            _tf_internals.stop_tape(tape)
+        else:
+            # Keep recording, but the ops made so far are what gets differentiated.
+            recording.close()
+            recording.open()
+    watched = {_handle_key(v) for v in tape.watched_variables()}
+    if not _tf_internals.tape_is_persistent(tape):
+        _tf_internals.release_tape(tape)  # as tf.GradientTape: one gradient() per tape
+    return watched
+
+
+def _recorded_sources(flat_sources: list, recording: _Recording, watched: set) -> tuple:
+    """``(indices, sources)`` of the sources the tape differentiates to: watched variables,
+    and tensors it recorded or watched (the others get no gradient)."""
+    connected, xs = [], []
+    for i, s in enumerate(flat_sources):
+        if is_variable(s):
+            if _handle_key(s) in watched:
+                connected.append(i)
+                xs.append(s)
+        elif recording.recorded(s.op) or s.ref() in recording.watched:
+            connected.append(i)
+            xs.append(s)
+    return connected, xs
 
 
 def _unrecorded_inputs(recording: _Recording, graph, xs) -> list:
@@ -308,6 +334,68 @@ def _unrecorded_inputs(recording: _Recording, graph, xs) -> list:
                 ):
                     stops.setdefault(t.ref(), t)
     return list(stops.values())
+
+
+# -- the methods of a checkpointing tape ---------------------------------------------
+
+
+def hooked_methods(previous, config_of) -> dict:
+    """The :data:`HOOKED` methods of a checkpointing tape, by name.
+
+    Each calls ``previous(name)`` (the method it stands in for) and then does
+    this module's bookkeeping; ``gradient`` goes through
+    :func:`checkpointed_gradient` with ``config_of(tape)``, or to ``previous``
+    where that is None; ``jacobian`` and ``batch_jacobian`` stay plain.  Used by
+    :class:`GradientTape` (over TensorFlow's own methods) and by the tape-level
+    patch of :mod:`.tape_hooks` (over whatever was installed before it).
+    """
+
+    def _push_tape(self):
+        previous("_push_tape")(self)
+        note_push(self)
+
+    def _pop_tape(self):
+        previous("_pop_tape")(self)
+        note_pop(self)
+
+    def reset(self):
+        previous("reset")(self)
+        note_reset(self)
+
+    def watch(self, tensor):
+        previous("watch")(self, tensor)
+        note_watch(self, tensor)
+
+    @tf.autograph.experimental.do_not_convert
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """As ``tf.GradientTape.gradient``; checkpointed inside a ``tf.function``."""
+        config = config_of(self)
+        if config is None:
+            return previous("gradient")(self, target, sources, output_gradients,
+                                        unconnected_gradients)
+        return checkpointed_gradient(
+            self, config, target, sources, output_gradients, unconnected_gradients
+        )
+
+    def jacobian(self, *args, **kwargs):
+        with plain_gradients:
+            return previous("jacobian")(self, *args, **kwargs)
+
+    def batch_jacobian(self, *args, **kwargs):
+        with plain_gradients:
+            return previous("batch_jacobian")(self, *args, **kwargs)
+
+    methods = {
+        "_push_tape": _push_tape, "_pop_tape": _pop_tape, "reset": reset, "watch": watch,
+        "gradient": gradient, "jacobian": jacobian, "batch_jacobian": batch_jacobian,
+    }
+    return methods
+
+
+#: The subclass's methods: over TensorFlow's own (so a tape-level patch, which
+#: replaces them on tf.GradientTape, never applies twice), with its own configuration.
+_SUBCLASS_METHODS = hooked_methods(ORIGINAL.__getitem__, lambda tape: tape._config)
 
 
 # -- the subclass ------------------------------------------------------------------
@@ -350,44 +438,13 @@ class GradientTape(tf.GradientTape):
         self.plans = record.plans
         self._config = config
 
-    # TensorFlow's own methods are called directly, so a tape-level patch
-    # (which replaces them on tf.GradientTape) never applies twice.
-    def _push_tape(self):
-        ORIGINAL["_push_tape"](self)
-        note_push(self)
-
-    def _pop_tape(self):
-        ORIGINAL["_pop_tape"](self)
-        note_pop(self)
-
-    def reset(self):
-        ORIGINAL["reset"](self)
-        note_reset(self)
-
-    def watch(self, tensor):
-        ORIGINAL["watch"](self, tensor)
-        note_watch(self, tensor)
-
-    @tf.autograph.experimental.do_not_convert
-    def gradient(
-        self,
-        target,
-        sources,
-        output_gradients=None,
-        unconnected_gradients=tf.UnconnectedGradients.NONE,
-    ):
-        """As ``tf.GradientTape.gradient``; checkpointed inside a ``tf.function``."""
-        return checkpointed_gradient(
-            self, self._config, target, sources, output_gradients, unconnected_gradients
-        )
-
-    def jacobian(self, *args, **kwargs):
-        with plain_gradients:
-            return ORIGINAL["jacobian"](self, *args, **kwargs)
-
-    def batch_jacobian(self, *args, **kwargs):
-        with plain_gradients:
-            return ORIGINAL["batch_jacobian"](self, *args, **kwargs)
+    _push_tape = _SUBCLASS_METHODS["_push_tape"]
+    _pop_tape = _SUBCLASS_METHODS["_pop_tape"]
+    reset = _SUBCLASS_METHODS["reset"]
+    watch = _SUBCLASS_METHODS["watch"]
+    gradient = _SUBCLASS_METHODS["gradient"]
+    jacobian = _SUBCLASS_METHODS["jacobian"]
+    batch_jacobian = _SUBCLASS_METHODS["batch_jacobian"]
 
 
 # -- helpers -----------------------------------------------------------------------
@@ -396,7 +453,7 @@ class GradientTape(tf.GradientTape):
 def is_variable(value) -> bool:
     """Whether TensorFlow treats ``value`` as a resource variable (tf.Variable,
     Keras 3 and tf_keras variables, AutoCastVariable, distributed variables)."""
-    return _resource_variable_ops.is_resource_variable(value)
+    return _tf_internals.is_resource_variable(value)
 
 
 def _handle_key(variable):

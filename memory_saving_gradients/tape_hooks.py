@@ -25,9 +25,7 @@ import logging
 import threading
 from typing import Iterator
 
-from tensorflow.python.eager import backprop as _backprop
-
-from ._tensorflow import tf
+from . import _tensorflow as _tf_internals
 from . import tape as tape_lib
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -90,61 +88,13 @@ def _previous(name: str):
     return _installed[name][0] if name in _installed else tape_lib.ORIGINAL[name]
 
 
-def _push_tape(self):
-    _previous("_push_tape")(self)
-    tape_lib.note_push(self)
-
-
-def _pop_tape(self):
-    _previous("_pop_tape")(self)
-    tape_lib.note_pop(self)
-
-
-def reset(self):
-    _previous("reset")(self)
-    tape_lib.note_reset(self)
-
-
-def watch(self, tensor):
-    _previous("watch")(self, tensor)
-    tape_lib.note_watch(self, tensor)
-
-
-@tf.autograph.experimental.do_not_convert
-def gradient(self, target, sources, output_gradients=None,
-             unconnected_gradients=tf.UnconnectedGradients.NONE):
-    config = current()
-    if config is None:
-        return _previous("gradient")(self, target, sources, output_gradients,
-                                     unconnected_gradients)
-    return tape_lib.checkpointed_gradient(
-        self, config, target, sources, output_gradients, unconnected_gradients
-    )
-
-
-def jacobian(self, *args, **kwargs):
-    with tape_lib.plain_gradients:
-        return _previous("jacobian")(self, *args, **kwargs)
-
-
-def batch_jacobian(self, *args, **kwargs):
-    with tape_lib.plain_gradients:
-        return _previous("batch_jacobian")(self, *args, **kwargs)
-
-
-_METHODS = {
-    "_push_tape": _push_tape,
-    "_pop_tape": _pop_tape,
-    "reset": reset,
-    "watch": watch,
-    "gradient": gradient,
-    "jacobian": jacobian,
-    "batch_jacobian": batch_jacobian,
-}
+#: The methods put on ``tf.GradientTape``: over whatever was there, with the
+#: innermost active configuration (none: the previous method's gradient).
+_METHODS = tape_lib.hooked_methods(_previous, lambda tape: current())
 
 
 def _install() -> None:
-    cls = _backprop.GradientTape
+    cls = _tf_internals.GRADIENT_TAPE
     for name, function in _METHODS.items():
         previous = cls.__dict__.get(name, _MISSING)
         if previous is _MISSING:
@@ -155,7 +105,7 @@ def _install() -> None:
 
 
 def _uninstall() -> None:
-    cls = _backprop.GradientTape
+    cls = _tf_internals.GRADIENT_TAPE
     for name, (previous, function) in _installed.items():
         if cls.__dict__.get(name) is not function:
             logger.warning(

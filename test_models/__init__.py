@@ -44,7 +44,7 @@ def build(name, seed=0, add_to_collection=False, unit_wrapper=None, **size):
     try:
         module = MODELS[name]
     except KeyError:
-        raise KeyError('unknown model %r; known: %s' % (name, sorted(MODELS)))
+        raise KeyError('unknown model %r; known: %s' % (name, sorted(MODELS))) from None
     return module.build(seed=seed, add_to_collection=add_to_collection,
                         unit_wrapper=unit_wrapper, **size)
 

@@ -104,7 +104,7 @@ def forward(params, x, unit_wrapper: Optional[Callable] = None,
     units = []
     if kind == 'tanh':
         a = x
-        for i in range(n):
+        for _ in range(n):
             a = common.apply_unit(tf.tanh, a, unit_wrapper)
             units.append(a)
         loss = tf.reduce_sum(a)
@@ -112,7 +112,7 @@ def forward(params, x, unit_wrapper: Optional[Callable] = None,
         b = x
         c = x if cfg['c_scale'] is None else x * tf.constant(
             cfg['c_scale'], dtype=x.dtype)
-        for i in range(n):
+        for _ in range(n):
             b = common.apply_unit(tf.tanh, b, unit_wrapper)
             c = common.apply_unit(tf.tanh, c, unit_wrapper)
             units.extend([b, c])
@@ -121,7 +121,7 @@ def forward(params, x, unit_wrapper: Optional[Callable] = None,
         def block(a):
             return a + tf.tanh(tf.tanh(a))
         a = x
-        for i in range(n):
+        for _ in range(n):
             a = common.apply_unit(block, a, unit_wrapper)
             units.append(a)
         loss = tf.reduce_sum(a)

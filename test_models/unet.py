@@ -72,24 +72,24 @@ def make_params(seed=0, **size):
 
     L = cfg['levels']
     cin = cfg['in_channels']
-    for l in range(L):
-        c = _channels(cfg, l)
-        if l > 0 and cfg['down'] == 'conv':
-            conv('down%d/downsample' % l, 3, cin, cin)
-        conv('down%d/conv1' % l, 3, cin, c)
-        conv('down%d/conv2' % l, 3, c, c)
+    for level in range(L):
+        c = _channels(cfg, level)
+        if level > 0 and cfg['down'] == 'conv':
+            conv('down%d/downsample' % level, 3, cin, cin)
+        conv('down%d/conv1' % level, 3, cin, c)
+        conv('down%d/conv2' % level, 3, c, c)
         cin = c
-    for l in range(L - 2, -1, -1):
-        c, cup = _channels(cfg, l), _channels(cfg, l + 1)
+    for level in range(L - 2, -1, -1):
+        c, cup = _channels(cfg, level), _channels(cfg, level + 1)
         if cfg['up'] == 'transpose':
             # conv2d_transpose filter: [h, w, out_channels, in_channels]
-            p.add('up%d/upsample/w' % l,
+            p.add('up%d/upsample/w' % level,
                   common.he_normal(rng, [2, 2, c, cup], 4 * cup))
-            p.add('up%d/upsample/b' % l, np.zeros([c], np.float32))
+            p.add('up%d/upsample/b' % level, np.zeros([c], np.float32))
         else:
-            conv('up%d/upsample' % l, 3, cup, c)
-        conv('up%d/conv1' % l, 3, 2 * c, c)
-        conv('up%d/conv2' % l, 3, c, c)
+            conv('up%d/upsample' % level, 3, cup, c)
+        conv('up%d/conv1' % level, 3, 2 * c, c)
+        conv('up%d/conv2' % level, 3, c, c)
     conv('out', 1, _channels(cfg, 0), cfg['out_channels'])
     return p
 
@@ -125,10 +125,10 @@ def _make_block(p, prefix):
     return block
 
 
-def _upsample(x, p, l, cfg):
-    name = 'up%d/upsample' % l
+def _upsample(x, p, level, cfg):
+    name = 'up%d/upsample' % level
     b, h, w, _ = x.shape.as_list()
-    c = _channels(cfg, l)
+    c = _channels(cfg, level)
     if cfg['up'] == 'transpose':
         batch = tf.shape(x)[0] if b is None else b  # the batch may be unknown (None)
         y = tf.nn.conv2d_transpose(x, p[name + '/w'], tf.stack([batch, 2 * h, 2 * w, c]),
@@ -145,19 +145,19 @@ def forward(params, images, target, unit_wrapper=None, training=True):
     L = cfg['levels']
     units, skips = [], []
     x = images
-    for l in range(L):
-        if l > 0:
+    for level in range(L):
+        if level > 0:
             if cfg['down'] == 'pool':
                 x = tf.nn.max_pool2d(x, ksize=2, strides=2, padding='VALID')
             else:
-                x = tf.nn.relu(_conv(x, p, 'down%d/downsample' % l, stride=2))
-        x = common.apply_unit(_make_block(p, 'down%d' % l), x, unit_wrapper)
+                x = tf.nn.relu(_conv(x, p, 'down%d/downsample' % level, stride=2))
+        x = common.apply_unit(_make_block(p, 'down%d' % level), x, unit_wrapper)
         units.append(x)
         skips.append(x)
-    for l in range(L - 2, -1, -1):
-        up = _upsample(x, p, l, cfg)
-        x = tf.concat([up, skips[l]], axis=3)
-        x = common.apply_unit(_make_block(p, 'up%d' % l), x, unit_wrapper)
+    for level in range(L - 2, -1, -1):
+        up = _upsample(x, p, level, cfg)
+        x = tf.concat([up, skips[level]], axis=3)
+        x = common.apply_unit(_make_block(p, 'up%d' % level), x, unit_wrapper)
         units.append(x)
     out = _conv(x, p, 'out')
     loss = tf.reduce_mean(tf.square(out - target))

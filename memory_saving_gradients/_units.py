@@ -1,0 +1,8 @@
+"""Units of memory for the figures the library and the benchmark print."""
+
+#: Bytes in a mebibyte (2**20).  Every figure printed as "MB" by the library and
+#: by ``bench/`` is in this binary unit; no decimal megabyte (10**6) is used.
+MIB = 2**20
+#: Bytes in a kibibyte (2**10) and a gibibyte (2**30).
+KIB = 2**10
+GIB = 2**30

@@ -1,0 +1,115 @@
+"""What the library knows about TensorFlow op types: one documented set per property.
+
+Layer: bottom (pure data; imports nothing of the library or TensorFlow).
+
+Every rule that depends on an op's type reads one of these sets, so that
+supporting a new op type (a new matrix product, say) is an edit here.
+``tests/test_ops.py`` checks that the sets agree with each other and that
+each name is an op type registered in the installed TensorFlow.  Types are
+filtered by these sets, never by op name.
+"""
+
+from __future__ import annotations
+
+# -- control flow ------------------------------------------------------------------
+
+#: v1 ``tf.while_loop`` / ``tf.cond`` primitives (``Ref`` variants included).
+V1_CONTROL_FLOW = frozenset({
+    "Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
+    "RefExit", "NextIteration", "RefNextIteration", "LoopCond",
+})
+#: v1 ``Merge`` s: the op that joins a ``tf.cond``'s branches.
+V1_MERGES = frozenset({"Merge", "RefMerge"})
+#: v1 ``Switch`` es: the op that feeds a ``tf.cond``'s branches.
+V1_SWITCHES = frozenset({"Switch", "RefSwitch"})
+
+#: Control flow (v1 and v2) and function calls: kept whole, never recomputed, since
+#: copying them one op at a time would split loop frames or function semantics.
+CONTROL_FLOW = V1_CONTROL_FLOW | frozenset({
+    "ControlTrigger", "While", "StatelessWhile", "If", "StatelessIf", "Case",
+    "StatelessCase", "PartitionedCall", "StatefulPartitionedCall",
+    "SymbolicGradient", "TPUPartitionedCall",
+})
+
+# -- aliases: ops whose output is their input's buffer ------------------------------
+
+#: Output is the first input's value: grappler removes them and hands their consumers
+#: the input itself.
+VALUE_FORWARDING = frozenset(
+    {"Identity", "Snapshot", "StopGradient", "PreventGradient", "EnsureShape"})
+#: Output holds exactly the first input's elements (a new shape, the same buffer);
+#: grappler removes them when the static shapes are equal.
+SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims"})
+#: Reads of a resource variable's value.
+VARIABLE_READS = frozenset({"ReadVariableOp"})
+#: v1 reference variables (an ``Identity`` of one is the read of its value).
+REF_VARIABLES = frozenset({"VariableV2", "Variable"})
+#: Outputs that share their input's memory in the memory model: no new buffer.
+ALIASES = VALUE_FORWARDING | SAME_ELEMENTS | VARIABLE_READS
+
+# -- shapes only ----------------------------------------------------------------------
+
+#: Ops that read only the shapes of their inputs: a tensor they read holds no buffer
+#: alive for them.
+SHAPE_ONLY_READERS = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"})
+
+# -- cost ----------------------------------------------------------------------------------
+
+#: Convolutions TensorFlow's own CPU kernels give a transient workspace (without oneDNN).
+CONVOLUTIONS = frozenset({
+    "Conv2D", "Conv3D", "DepthwiseConv2dNative", "Conv2DBackpropInput", "Conv3DBackpropInputV2",
+})
+#: Matrix products.
+MATRIX_PRODUCTS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
+#: Ops expensive to recompute, whose outputs the ``'speed'`` strategy keeps: the
+#: convolutions and matrix products, and grappler's fused forms of them.
+EXPENSIVE = CONVOLUTIONS | MATRIX_PRODUCTS | frozenset({"_FusedConv2D", "_FusedMatMul"})
+
+# -- what an op's registered gradient reads of the forward pass (besides shapes) ------------
+# Used by the memory model, and to decide whether a one-op segment is better
+# differentiated in place.  Types in none of these sets are taken to read their inputs.
+
+#: The gradient reads neither inputs nor outputs.
+GRADIENT_READS_NOTHING = frozenset({
+    "Add", "AddV2", "Sub", "AddN", "Neg", "Identity", "IdentityN", "Reshape",
+    "Squeeze", "ExpandDims", "BiasAdd", "ConcatV2", "Concat", "Pack", "Unpack",
+    "Split", "SplitV", "Slice", "StridedSlice", "Transpose", "Pad", "Cast",
+    "Sum", "Mean", "Tile", "StopGradient", "ReadVariableOp", "ResourceGather",
+    "GatherV2", "BroadcastTo", "ZerosLike", "OnesLike", "Snapshot", "EnsureShape",
+})
+#: The gradient reads the outputs only.
+GRADIENT_READS_OUTPUTS = frozenset({
+    "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Exp", "Sqrt", "Rsqrt",
+    "Softmax", "LogSoftmax", "Reciprocal", "Inv",
+})
+#: The gradient reads the inputs and the outputs.
+GRADIENT_READS_INPUTS_AND_OUTPUTS = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D", "Max", "Min", "Prod"})
+#: The gradient reads the second output only (the loss's backprop, saved by the op).
+GRADIENT_READS_SECOND_OUTPUT = frozenset(
+    {"SoftmaxCrossEntropyWithLogits", "SparseSoftmaxCrossEntropyWithLogits"})
+#: Batch norms (and their gradients, when differentiated again): the gradient reads the
+#: first two inputs (x, scale) and the saved statistics (outputs 3 on).
+GRADIENT_READS_TWO_INPUTS_AND_SAVED_OUTPUTS = frozenset({
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3",
+    "FusedBatchNormGrad", "FusedBatchNormGradV2", "FusedBatchNormGradV3",
+})
+#: Products of two inputs whose gradient for one input reads only the other: an input
+#: is read only if the other one needs a gradient (grappler prunes the unused half).
+GRADIENT_READS_OTHER_INPUT = frozenset({
+    "Mul", "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv2D",
+    "Conv3D", "DepthwiseConv2dNative",
+})
+
+# -- what kind of gradient an op's gradient function gives ------------------------------------
+
+#: The gradient passes each output gradient's kind (dense / ``IndexedSlices``) on to
+#: the matching input (or the one output's kind to every input).
+GRADIENT_PASSES_KIND = frozenset({"Identity", "IdentityN", "ReadVariableOp", "AddN", "Cast"})
+#: Gathers: the gradient of the params is an ``IndexedSlices`` (for ``GatherV2``, on axis 0).
+GATHERS = frozenset({"GatherV2", "ResourceGather", "Gather"})
+
+#: Every set above, by name (for the consistency tests).
+ALL_SETS = {
+    name: value for name, value in dict(globals()).items()
+    if name.isupper() and isinstance(value, frozenset)
+}

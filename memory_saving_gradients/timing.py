@@ -1,0 +1,240 @@
+"""The time model: how long an op takes, from its FLOPs and bytes and per-kind throughputs.
+
+Layer: analysis.  The model is a pure function of numbers (:func:`op_seconds`);
+the throughputs it uses come from :func:`calibrate`, which times a few kernels
+once on this machine in a private graph and caches them, or from
+:data:`DEFAULT` until then.  ``simulate.op_cost`` prices every op with it, so
+the planner's recomputation is counted in seconds, and ``plan()`` predicts the
+step-time ratio from it.
+
+An op is ``max(flops / rate(kind), bytes / bandwidth) + seconds_per_op``: a
+roofline with a fixed cost per kernel (the executor's scheduling, which a plan
+that recomputes many tiny ops pays once per copy).  Its gradient costs
+``backward_factor(kind)`` times as much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import threading
+import time
+from typing import Mapping, Optional
+
+logger = logging.getLogger("memory_saving_gradients")
+
+#: The kinds of op the model tells apart, and the op types of each (others are "other").
+KIND_OP_TYPES: Mapping[str, frozenset] = {
+    "conv": frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "_FusedConv2D",
+                       "Conv2DBackpropInput", "Conv2DBackpropFilter"}),
+    "matmul": frozenset({"MatMul", "_FusedMatMul", "BatchMatMul", "BatchMatMulV2",
+                         "BatchMatMulV3", "Einsum"}),
+    "norm": frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"}),
+}
+KINDS = ("conv", "matmul", "norm", "other")
+
+
+def kind_of(op_type: str) -> str:
+    """The model's kind of an op type."""
+    for kind, types in KIND_OP_TYPES.items():
+        if op_type in types:
+            return kind
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """What one kernel costs on a machine: FLOP rates per kind, memory bandwidth, a fixed cost.
+
+    ``backward`` is the time of an op's gradient over the op's own, per kind.
+    """
+
+    flops_per_second: Mapping[str, float]
+    bytes_per_second: float
+    seconds_per_op: float
+    backward: Mapping[str, float]
+    source: str = "default"
+
+    def as_dict(self) -> dict:
+        return dict(flops_per_second=dict(self.flops_per_second),
+                    bytes_per_second=self.bytes_per_second, seconds_per_op=self.seconds_per_op,
+                    backward=dict(self.backward), source=self.source)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Throughput":
+        return cls(dict(data["flops_per_second"]), float(data["bytes_per_second"]),
+                   float(data["seconds_per_op"]), dict(data["backward"]),
+                   str(data.get("source", "cache")))
+
+
+#: Used until :func:`calibrate` has run on this machine: :func:`calibrate`'s figures on
+#: a 2-core AMD EPYC (AVX-512, oneDNN on, TensorFlow 2.21), rounded.
+DEFAULT = Throughput(
+    flops_per_second={"conv": 40e9, "matmul": 60e9, "norm": 4e9, "other": 2e9},
+    bytes_per_second=8e9,
+    seconds_per_op=15e-6,
+    backward={"conv": 2.0, "matmul": 2.0, "norm": 2.0, "other": 1.5},
+)
+
+
+def op_seconds(flops: float, traffic_bytes: float, kind: str, throughput: Throughput) -> float:
+    """Modelled seconds of one kernel that does ``flops`` and moves ``traffic_bytes``."""
+    rate = throughput.flops_per_second.get(kind) or throughput.flops_per_second["other"]
+    return max(flops / rate, traffic_bytes / throughput.bytes_per_second) + throughput.seconds_per_op
+
+
+def backward_seconds(forward_seconds: float, kind: str, throughput: Throughput) -> float:
+    """Modelled seconds of the gradient of an op that takes ``forward_seconds``."""
+    return forward_seconds * throughput.backward.get(kind, throughput.backward["other"])
+
+
+# -- calibration -------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_current: Optional[Throughput] = None
+
+
+def cache_path() -> str:
+    """Where calibrations are kept: ``$MSG_CACHE_DIR`` or ``~/.cache/memory_saving_gradients``."""
+    folder = os.environ.get("MSG_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "memory_saving_gradients")
+    return os.path.join(folder, "throughput.json")
+
+
+def machine_key() -> str:
+    """What a calibration holds for: CPU model, cores, TensorFlow version, oneDNN."""
+    from ._tensorflow import onednn_enabled, tf
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"{cpu} | {os.cpu_count()} cores | tf {tf.__version__} | onednn {onednn_enabled()}"
+
+
+def current() -> Throughput:
+    """This machine's cached calibration, or :data:`DEFAULT` (never calibrates by itself)."""
+    global _current
+    with _lock:
+        if _current is None:
+            _current = _load(machine_key()) or DEFAULT
+        return _current
+
+
+def _load(key: str) -> Optional[Throughput]:
+    try:
+        with open(cache_path(), encoding="utf-8") as handle:
+            entry = json.load(handle).get(key)
+        return Throughput.from_dict(entry) if entry else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _save(key: str, throughput: Throughput) -> None:
+    path = cache_path()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            with open(path, encoding="utf-8") as handle:
+                entries = json.load(handle)
+        except (OSError, ValueError):
+            entries = {}
+        entries[key] = throughput.as_dict()
+        with open(path + ".tmp", "w", encoding="utf-8") as handle:
+            json.dump(entries, handle, indent=1)
+        os.replace(path + ".tmp", path)
+    except OSError as error:  # a read-only home: the calibration lives for this process
+        logger.info("could not cache the time model's calibration at %s: %s", path, error)
+
+
+def calibrate(force: bool = False, repeats: int = 5) -> Throughput:
+    """Time a convolution, a matmul, a batch norm, an elementwise op and a chain of tiny ops
+    (forward and gradient) on this machine's CPU, cache the throughputs and use them.
+
+    About two seconds, once per machine (``force=True`` measures again).  Runs in a graph
+    and session of its own; the caller's graphs are untouched.
+    """
+    global _current
+    key = machine_key()
+    if not force:
+        cached = _load(key)
+        if cached is not None:
+            with _lock:
+                _current = cached
+            return cached
+    measured = _measure(repeats)
+    _save(key, measured)
+    with _lock:
+        _current = measured
+    logger.info("time model calibrated: %s", measured.as_dict())
+    return measured
+
+
+def _measure(repeats: int) -> Throughput:
+    from ._tensorflow import tf, tf_gradients
+
+    def best_seconds(session, fetches) -> float:
+        session.run(fetches)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            session.run(fetches)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.compat.v1.set_random_seed(0)
+        image = tf.Variable(tf.random.normal([32, 32, 32, 32]))
+        kernel = tf.Variable(tf.random.normal([3, 3, 32, 32]))
+        square = tf.Variable(tf.random.normal([768, 768]))
+        vector = tf.Variable(tf.random.normal([1 << 22]))
+        scale, offset = tf.Variable(tf.ones([32])), tf.Variable(tf.zeros([32]))
+        tiny = tf.Variable(1.0)
+        kernels = {
+            "conv": (lambda: tf.nn.conv2d(image, kernel, 1, "SAME"), 2.0 * 32 * 32 * 32 * 32 * 9 * 32),
+            "matmul": (lambda: tf.matmul(square, square), 2.0 * 768 ** 3),
+            "norm": (lambda: tf.compat.v1.nn.fused_batch_norm(image, scale, offset)[0],
+                     10.0 * 32 * 32 * 32 * 32),
+            "other": (lambda: tf.tanh(vector), float(1 << 22)),
+        }
+        built = {}
+        for kind, (make, flops) in kernels.items():
+            out = make()
+            sources = [v for v in (image, kernel, square, vector, scale, offset)
+                       if v.dtype == out.dtype]
+            grads = [g for g in tf_gradients(tf.reduce_sum(out), sources) if g is not None]
+            built[kind] = (out, grads, flops, out.shape.num_elements() * 4)
+        chain = tiny
+        for _ in range(200):
+            chain = chain * 1.0001
+        init = tf.compat.v1.global_variables_initializer()
+    config = tf.compat.v1.ConfigProto()
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        session.run(init)
+        per_op = best_seconds(session, chain.op) / 200
+        rates, backward = {}, {}
+        bandwidth = None
+        for kind, (out, grads, flops, out_bytes) in built.items():
+            forward = max(best_seconds(session, out.op) - per_op, 1e-7)
+            both = best_seconds(session, [out.op] + [g.op for g in grads])
+            backward[kind] = max(0.5, round((both - per_op - forward) / forward, 2))
+            rates[kind] = flops / forward
+            if kind == "other":
+                bandwidth = 2 * out_bytes / forward  # reads and writes the whole vector
+    return Throughput(rates, bandwidth, per_op, backward, source=f"calibrated: {machine_key()}")
+
+
+def as_text(throughput: Throughput) -> str:
+    """One line for logs and reports."""
+    rates = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in throughput.flops_per_second.items())
+    return (f"GFLOP/s {rates}; {throughput.bytes_per_second / 1e9:.1f} GB/s; "
+            f"{1e6 * throughput.seconds_per_op:.0f} us per op ({throughput.source})")
+
+

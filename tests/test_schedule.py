@@ -1,0 +1,134 @@
+"""``plan()`` and ``gradients()`` see one backward schedule.
+
+The memory model replays the steps of :func:`schedule.backward_schedule` and
+the rewrite builds them; ``Plan.schedule`` is what the prediction replayed and
+``Record.schedules`` what ``gradients()`` built.  They must be the same step for
+step (group, handling, segment ops, inputs) on v1 ``while_loop`` and ``cond``
+(kept whole, one step each), with ``stop_gradients`` (no step for a stopped op),
+and on the benchmark models.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import memory_saving_gradients as msg  # noqa: E402
+from memory_saving_gradients import reporting, schedule  # noqa: E402
+from gradient_values import control_flow_v1  # noqa: E402
+import test_models  # noqa: E402
+
+SIZE = 64
+
+
+def _built_schedule(loss, xs, **options):
+    """The schedule ``gradients()`` built, from its record."""
+    record = reporting.Record()
+    with reporting.recording(record), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        msg.gradients(loss, xs, **options)
+    assert len(record.schedules) == 1
+    return record.schedules[0]
+
+
+def _assert_same_schedule(loss, xs, checkpoints, stops=None):
+    planned = msg.plan(loss, xs, checkpoints=checkpoints, stop_gradients=stops)
+    built = _built_schedule(loss, xs, checkpoints=checkpoints, stop_gradients=stops)
+    assert planned.schedule is not None
+    assert planned.schedule.describe() == built.describe()
+    assert planned.schedule.steps, "an empty schedule compares nothing"
+    return built
+
+
+def _tanh_chain(h, n):
+    units = []
+    for _ in range(n):
+        h = tf.tanh(h)
+        units.append(h)
+    return h, units
+
+
+def _v1_model(kind):
+    x = tf.compat.v1.placeholder(tf.float32, [SIZE], name="x")
+    h, before = _tanh_chain(x, 4)
+    if kind == "while":
+        _, h = tf.compat.v1.while_loop(
+            lambda i, h: i < 3, lambda i, h: (i + 1, tf.tanh(h) * 0.9), [tf.constant(0), h])
+    else:
+        h = tf.compat.v1.cond(tf.reduce_sum(h) > 0, lambda: tf.tanh(h), lambda: tf.sin(h))
+    h, after = _tanh_chain(h, 4)
+    return x, tf.reduce_sum(h), before[1::2] + after[1::2]
+
+
+@pytest.mark.parametrize("kind", ["while", "cond"])
+def test_v1_control_flow_is_one_whole_step_in_plan_and_gradients(kind):
+    graph = tf.Graph()
+    with control_flow_v1(), graph.as_default():
+        x, loss, marks = _v1_model(kind)
+        built = _assert_same_schedule(loss, x, marks)
+        _assert_same_schedule(loss, x, "memory")
+    whole = [step for step in built.steps if step.handling == schedule.WHOLE]
+    assert len(whole) == 1, built.describe()
+    inner = {op.type for op in whole[0].segment.ops}
+    assert ({"Enter", "Exit"} if kind == "while" else {"Switch", "Merge"}) <= inner
+    # no other step differentiates an op of the construct
+    construct = set(whole[0].segment.ops)
+    assert not any(set(step.group) & construct for step in built.steps if step is not whole[0])
+
+
+def test_stop_gradients_change_the_planned_schedule_as_the_built_one():
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [SIZE], name="x")
+        w = tf.Variable(tf.ones([SIZE]))
+        h, units = _tanh_chain(x * w, 8)
+        loss = tf.reduce_sum(h)
+        marks, stop = units[1::2], units[3]
+        built = _assert_same_schedule(loss, [x, w], marks, stops=[stop])
+        plain = msg.plan(loss, [x, w], checkpoints=marks).schedule
+    stopped = [s for s in plain.steps if stop.op in s.group]
+    assert stopped, "without stop_gradients the stopped tensor's op has a step"
+    assert not [s for s in built.steps if stop.op in s.group]
+    assert built.stop_ops == frozenset({stop.op})
+
+
+MODELS = {
+    "resnet": dict(depth=8, batch=2),
+    "transformer": dict(layers=1, batch=2, seq_len=8, d_model=32),
+    "unet": dict(levels=2, batch=2),
+    "mlp": dict(depth=4, batch=32),
+    "chain": dict(n=12, size=256),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("strategy", ["memory", "collection"])
+def test_benchmark_models_plan_the_schedule_gradients_builds(name, strategy):
+    graph = tf.Graph()
+    with graph.as_default():
+        model = test_models.build(name, add_to_collection=True, **MODELS[name])
+        built = _assert_same_schedule(model.loss, model.params or model.inputs, strategy)
+    assert {step.handling for step in built.steps} & {schedule.RECOMPUTED}
+
+
+@pytest.mark.parametrize("bad", [[], [1.5], "x"])
+def test_plan_rejects_stop_gradients_as_gradients_does(bad):
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [SIZE], name="x")
+        h, units = _tanh_chain(x, 4)
+        loss = tf.reduce_sum(h)
+        errors = []
+        for call in (msg.plan, msg.gradients):
+            with pytest.raises((TypeError, ValueError)) as caught:
+                call(loss, x, checkpoints=units[1:2], stop_gradients=bad)
+            errors.append((type(caught.value), str(caught.value)))
+    assert errors[0] == errors[1]
+    assert "stop_gradients" in errors[0][1]
