@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from memory_saving_gradients import profiling
 from memory_saving_gradients._tensorflow import tf
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def _metadata(nodes):
