@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from memory_saving_gradients import profiling
 from memory_saving_gradients._tensorflow import tf
-import pytest
 
 pytestmark = pytest.mark.unit
 
