@@ -22,13 +22,13 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import pytest
+import tensorflow as tf
+from gradient_values import dense
 
-from memory_saving_gradients import profiling  # noqa: E402
-from memory_saving_gradients import tape as tape_lib  # noqa: E402
-from gradient_values import dense  # noqa: E402
+from memory_saving_gradients import profiling
+from memory_saving_gradients import tape as tape_lib
 
 #: Size of one unit of the chain memory tests: 262144 float32 = 1 MiB.
 MIB = 1 << 20

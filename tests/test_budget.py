@@ -44,7 +44,10 @@ def _held(op: Op) -> int:
 def cuts_of(ops: list, positions: list) -> Cuts:
     """The ``Cuts`` of a cut after each op at ``positions`` (what live_cuts records)."""
     runs = [op.first_read is not None for op in ops]
-    prefix = lambda values: tuple(itertools.accumulate(v if r else 0 for v, r in zip(values, runs)))
+
+    def prefix(values):  # ops no gradient reads never run: left out of the sums
+        return tuple(itertools.accumulate(v if r else 0 for v, r in zip(values, runs)))
+
     new_bytes, pruned = [], []
     for p in positions:
         live = [q for q in range(p + 1) if ops[q].end > p]
