@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Runs the whole test suite of memory_saving_gradients.
 #
-#   ./run_all_tests.sh [extra pytest arguments]
+#   ./run_all_tests.sh [extra pytest arguments]          # everything (CI: .ci/run)
+#   ./run_all_tests.sh --fast [extra pytest arguments]   # between edits: not "slow"
+#
+# The whole run prints the 25 slowest tests at the end (pytest --durations=25).
+# --fast runs the tests not marked "slow" (pyproject.toml; docs/testing.md says what
+# they cover and how long they take) and skips the GPU comparison.
 #
 # On first use it creates .venv (python3 -m venv), installs tensorflow-cpu
 # there if no TensorFlow is importable in it (an installed GPU build or
@@ -11,6 +16,12 @@
 # (benchmarks/gpu_resnet.py).  Exits non-zero if anything failed.
 set -euo pipefail
 cd "$(dirname "$0")"
+
+fast=0
+if [ "${1:-}" = "--fast" ]; then
+    fast=1
+    shift
+fi
 
 # TensorFlow turns its oneDNN CPU kernels on by default only on some CPUs (by its docs,
 # those with AVX-512 VNNI/BF16 or AMX; seen off on an AVX2-only AMD EPYC). Without them, TensorFlow's own (Eigen)
@@ -52,12 +63,19 @@ fi
 status=0
 optional=()
 
-# GPU comparison first, so that pytest's summary comes at the end.
-gpus="$("$PY" -c "import tensorflow as tf; print(len(tf.config.list_physical_devices('GPU')))" 2>/dev/null | tail -n 1 || true)"
+# GPU comparison first, so that pytest's summary comes at the end. --fast skips it and
+# the probes below (each imports TensorFlow: seconds).
+if [ "$fast" -eq 1 ]; then
+    gpus=0
+else
+    gpus="$("$PY" -c "import tensorflow as tf; print(len(tf.config.list_physical_devices('GPU')))" 2>/dev/null | tail -n 1 || true)"
+fi
 case "$gpus" in
     ''|*[!0-9]*) gpus=0 ;;
 esac
-if [ "$gpus" -gt 0 ]; then
+if [ "$fast" -eq 1 ]; then
+    optional+=("GPU ResNet comparison skipped (--fast)")
+elif [ "$gpus" -gt 0 ]; then
     if [ -f benchmarks/gpu_resnet.py ]; then
         echo "run_all_tests: $gpus GPU(s) visible; running benchmarks/gpu_resnet.py"
         if "$PY" benchmarks/gpu_resnet.py; then
@@ -74,6 +92,7 @@ else
     optional+=("GPU ResNet comparison skipped (TensorFlow sees no GPU)")
 fi
 for package in tf_keras keras_hub; do
+    [ "$fast" -eq 1 ] && break
     version="$("$PY" -c "import $package; print($package.__version__)" 2>/dev/null | tail -n 1 || true)"
     if [ -n "$version" ]; then
         optional+=("$package $version tests ran")
@@ -82,7 +101,12 @@ for package in tf_keras keras_hub; do
     fi
 done
 
-"$PY" -m pytest -q tests "$@" || status=$?
+if [ "$fast" -eq 1 ]; then
+    selection=(-m "not slow" --durations=10)
+else
+    selection=(--durations=25)
+fi
+"$PY" -m pytest -q tests "${selection[@]}" "$@" || status=$?
 summary="$(printf '%s; ' "${optional[@]}")"
 echo "run_all_tests: optional parts: ${summary%; }"
 exit "$status"

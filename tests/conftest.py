@@ -22,13 +22,13 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import pytest
+import tensorflow as tf
+from gradient_values import dense
 
-from memory_saving_gradients import profiling  # noqa: E402
-from memory_saving_gradients import tape as tape_lib  # noqa: E402
-from gradient_values import dense  # noqa: E402
+from memory_saving_gradients import profiling
+from memory_saving_gradients import tape as tape_lib
 
 #: Size of one unit of the chain memory tests: 262144 float32 = 1 MiB.
 MIB = 1 << 20
@@ -39,6 +39,30 @@ def pytest_configure(config):
     # error, except where a test catches it on purpose (tests/test_guard.py).
     config.addinivalue_line(
         "filterwarnings", "error::memory_saving_gradients.notices.FallbackWarning")
+
+
+#: Fixtures that say what a test does, and the marker (pyproject.toml) it must carry.
+MARKER_OF_FIXTURE = {"measure_peak": "memory"}
+#: Fixtures that run a session: never in a ``unit`` test.
+SESSION_FIXTURES = {"measure_peak", "run_both"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The layers hold: a test that measures peaks through ``measure_peak`` is marked
+    ``memory``, and a ``unit`` test runs no session through the fixtures."""
+    wrong = []
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        marks = {mark.name for mark in item.iter_markers()}
+        wrong += [f"{item.nodeid} uses {name} but is not marked {marker}"
+                  for name, marker in MARKER_OF_FIXTURE.items()
+                  if name in fixtures and marker not in marks]
+        if "unit" in marks:
+            wrong += [f"{item.nodeid} is marked unit but uses {name}"
+                      for name in sorted(fixtures & SESSION_FIXTURES)]
+    if wrong:
+        raise pytest.UsageError("test markers disagree with what the tests do "
+                                "(docs/testing.md):\n  " + "\n  ".join(wrong))
 
 
 @pytest.fixture

@@ -31,6 +31,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.keras, pytest.mark.slow]
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "applications_worker.py"
 BATCH, SIZE = 4, 64

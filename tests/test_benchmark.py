@@ -20,6 +20,8 @@ def _chain_spec(n=20, size=16384):
     return core.spec_from_module(test_models.chain, n=n, size=size, kind="tanh")
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_measure_tiny_chain_gives_sane_numbers():
     spec = _chain_spec()
     base = benchmark.measure(spec, "tf.gradients", steps=2)
@@ -38,6 +40,8 @@ def test_measure_tiny_chain_gives_sane_numbers():
     assert abs(base.predicted_peak_bytes - base.peak_bytes) <= 0.35 * base.peak_bytes
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_measure_plain_build_function_and_unavailable_variant():
     def build(add_to_collection=False):
         x = tf.compat.v1.placeholder(tf.float32, [4096], name="x")
@@ -59,6 +63,8 @@ def test_measure_plain_build_function_and_unavailable_variant():
         benchmark.measure(build, "no-such-variant")
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_recompute_grad_variant_saves_memory_and_equals_tf_gradients():
     spec = core.spec_from_module(test_models.resnet, depth=14, batch=2, width=4)
     base = benchmark.measure(spec, "tf.gradients", steps=0)
@@ -69,6 +75,7 @@ def test_recompute_grad_variant_saves_memory_and_equals_tf_gradients():
     assert rg.peak_bytes < 0.75 * base.peak_bytes
 
 
+@pytest.mark.memory
 def test_budget_variant_reports_infeasible_budget_as_a_row():
     spec = _chain_spec(n=10, size=4096)
     r = benchmark.measure(spec, "memory+budget", steps=0, budget_fraction=0.001)
@@ -82,6 +89,7 @@ def _row(result):
     return Row(result)
 
 
+@pytest.mark.unit
 def test_power_law_fit_recovers_exponents():
     depths = np.array([20, 56, 110, 164, 218], float)
     b, a = report.fit_power_law(depths, 3.0 * depths ** 0.5)
@@ -93,6 +101,7 @@ def test_power_law_fit_recovers_exponents():
         report.fit_power_law([5, 5], [1, 2])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("guess", [1, 9, 10, 11, 40])
 def test_largest_under_cap_search(guess):
     calls = []
@@ -108,6 +117,7 @@ def test_largest_under_cap_search(guess):
         assert sorted(calls) == [10, 11]  # an exact guess costs two measurements
 
 
+@pytest.mark.unit
 def test_largest_under_cap_edges():
     assert fits.largest_under_cap(lambda k: 100.0, 10.0, 5, 20) == (None, False)
     assert fits.largest_under_cap(lambda k: 1.0, 10.0, 5, 20) == (20, True)
@@ -127,6 +137,8 @@ def test_gradients_close_handles_sparse_and_detects_differences():
     assert core.gradients_close([None], [dense])[0] is False
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_cli_quick_writes_tables_and_plots(tmp_path, capsys):
     out = tmp_path / "bench"
     code = cli.main([
@@ -157,6 +169,7 @@ def test_cli_quick_writes_tables_and_plots(tmp_path, capsys):
     assert int(fit_rows["memory"]["largest"]) >= int(fit_rows["tf.gradients"]["largest"])
 
 
+@pytest.mark.unit
 def test_help_lists_the_options(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--help"])
@@ -168,6 +181,7 @@ def test_help_lists_the_options(capsys):
     assert "bench_out" in text and "recompute_grad" in text
 
 
+@pytest.mark.unit
 def test_all_library_variants_are_known_to_the_installed_package():
     for variant, strategy in core.LIBRARY_STRATEGY.items():
         assert strategy in msg.available_strategies(), variant
@@ -186,6 +200,9 @@ def _gpu_resnet(*args):
     )
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.memory
 def test_gpu_check_skips_without_a_gpu_and_runs_its_comparison_with_cpu():
     """The GPU script (run by run_all_tests.sh where a GPU is visible) on this machine:
     without a GPU it skips and says why; with --cpu it measures the same comparison."""
@@ -204,6 +221,10 @@ def test_gpu_check_skips_without_a_gpu_and_runs_its_comparison_with_cpu():
     assert failed.returncode == 1, failed.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.xla
+@pytest.mark.memory
 def test_gpu_check_compares_under_xla_with_cpu_and_xla():
     """The script's jit_compile comparison (on a GPU it always runs) with --cpu --xla."""
     if tf.config.list_physical_devices("GPU"):
@@ -215,6 +236,10 @@ def test_gpu_check_compares_under_xla_with_cpu_and_xla():
     assert "gpu_resnet: OK" in ran.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.xla
+@pytest.mark.memory
 def test_cli_xla_only_writes_its_table_and_plot(tmp_path):
     """--xla-only: XLA temp of each variant from XLA's own report, table, CSV and PNG."""
     import subprocess
@@ -237,6 +262,7 @@ def test_cli_xla_only_writes_its_table_and_plot(tmp_path):
     assert (tmp_path / "xla_temp.png").stat().st_size > 1000
 
 
+@pytest.mark.unit
 def test_least_peak_check_skips_variants_with_the_same_plan():
     """A budget whose plan keeps exactly 'memory''s checkpoints is the same step measured
     again: its lower reading is measurement jitter, not a variant that beats 'memory'."""
@@ -291,6 +317,8 @@ def test_gradient_check_repeats_a_mismatch_and_says_so(monkeypatch, wrong_runs, 
     assert ("repeated" in note) == (retries > 0), note
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_cli_largest_batch_writes_its_table_and_every_answer_fits(tmp_path):
     """--largest-batch: per model, the largest batch predicted to fit, plain and 'memory',
     each verified by traced steps at that batch (measured within the memory)."""

@@ -7,6 +7,7 @@ import pytest
 from bench import breakdown
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, phase", [
     ("block3/conv/Conv2D", "forward"),
     ("gradients/block3/conv/Conv2D_grad/Conv2DBackpropInput", "backward"),
@@ -20,12 +21,14 @@ def test_phase_of_reads_the_name_scopes(name, phase):
     assert breakdown.phase_of(name) == phase
 
 
+@pytest.mark.unit
 def test_op_type_of_strips_onednn_prefixes():
     assert breakdown.op_type_of("a/b = _MklNativeConv2DBackpropFilter(x, y)") == "Conv2DBackpropFilter"
     assert breakdown.op_type_of("a = _MklFusedBatchNormGradV3(x)") == "FusedBatchNormGradV3"
     assert breakdown.op_type_of("") == "?"
 
 
+@pytest.mark.unit
 def test_busy_seconds_is_the_union_of_intervals():
     assert breakdown.busy_seconds([(0, 10), (5, 15), (20, 30), (21, 22)]) == pytest.approx(25e-6)
     assert breakdown.busy_seconds([]) == 0

@@ -108,6 +108,7 @@ def _max_diff(a, b):
 # ------------------------------------------------------------------- v2, tf.function
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direct", [False, True])
 def test_v2_in_tf_function_list_checkpoints(direct):
     x_value, w_values = _weights()
@@ -240,6 +241,7 @@ def _loop_chain(x):
     return tf.reduce_sum(h), units[2::3]
 
 
+@pytest.mark.memory
 @pytest.mark.parametrize("v1", [False, True], ids=["while_v2", "while_v1"])
 def test_recomputation_around_a_loop_saves_memory(v1):
     """Peak of the backward pass with a loop in the middle of two tanh chains."""

@@ -42,6 +42,7 @@ def call_fails(error, words, *args, **kwargs):
     return text
 
 
+@pytest.mark.unit
 def test_checkpoint_from_another_graph(model, unchanged):
     other = tf.Graph()
     with other.as_default():
@@ -50,6 +51,7 @@ def test_checkpoint_from_another_graph(model, unchanged):
                model.loss, model.inputs, checkpoints=[model.units[2], foreign])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", ["chain_tanh/Tanh_2:0", 3, 2.5, None])
 def test_non_tensor_in_checkpoint_list(model, unchanged, bad):
     text = call_fails(TypeError, ["checkpoint", "tensor"],
@@ -57,16 +59,19 @@ def test_non_tensor_in_checkpoint_list(model, unchanged, bad):
     assert type(bad).__name__ in text
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", [3, 2.5, object()])
 def test_number_or_object_as_checkpoints(model, unchanged, bad):
     call_fails(TypeError, ["checkpoints", "strategy|list"], model.loss, model.inputs, checkpoints=bad)
 
 
+@pytest.mark.unit
 def test_unknown_strategy_name(model, unchanged):
     call_fails(ValueError, ["no_such_strategy", "collection"],
                model.loss, model.inputs, checkpoints="no_such_strategy")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("which", ["xs", "ys", "outside", "all_three"])
 def test_explicit_list_with_no_usable_tensor(model, outside, unchanged, which):
     """xs, ys, and tensors not between them are unusable; a list of only those is an error."""
@@ -82,18 +87,22 @@ def test_explicit_list_with_no_usable_tensor(model, outside, unchanged, which):
     assert all(name in text for name in names), text
 
 
+@pytest.mark.unit
 def test_empty_checkpoint_list(model, unchanged):
     call_fails(ValueError, ["empty", "strategy"], model.loss, model.inputs, checkpoints=[])
 
 
+@pytest.mark.unit
 def test_empty_xs(model, unchanged):
     call_fails(ValueError, ["xs", "empty"], model.loss, [], checkpoints=[model.units[2]])
 
 
+@pytest.mark.unit
 def test_empty_ys(model, unchanged):
     call_fails(ValueError, ["ys", "empty"], [], model.inputs, checkpoints=[model.units[2]])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("where", ["xs", "ys", "stop_gradients"])
 def test_string_where_a_tensor_belongs(model, unchanged, where):
     args = {"ys": model.loss, "xs": model.inputs, "stop_gradients": None}
@@ -102,6 +111,7 @@ def test_string_where_a_tensor_belongs(model, unchanged, where):
                checkpoints=[model.units[2]], stop_gradients=args["stop_gradients"])
 
 
+@pytest.mark.unit
 def test_xs_from_another_graph(model, unchanged):
     other = tf.Graph()
     with other.as_default():
@@ -110,18 +120,21 @@ def test_xs_from_another_graph(model, unchanged):
                checkpoints=[model.units[2]])
 
 
+@pytest.mark.unit
 def test_grad_ys_length_mismatch(model, unchanged):
     call_fails(ValueError, ["grad_ys", "ys"], model.loss, model.inputs,
                grad_ys=[None, None],
                checkpoints=[model.units[2]])
 
 
+@pytest.mark.unit
 def test_unknown_unconnected_gradients_value(model, unchanged):
     with pytest.raises(ValueError):
         msg.gradients(model.loss, model.inputs, checkpoints=[model.units[2]],
                       unconnected_gradients="sometimes")
 
 
+@pytest.mark.unit
 def test_eager_call_raises_runtime_error():
     assert tf.executing_eagerly()
     x = tf.constant([1.0, 2.0])

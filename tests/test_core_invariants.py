@@ -141,6 +141,7 @@ def _build_and_differentiate(checkpoints, seed=0):
     return new, [t.name for t in chosen or []], graph_def
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", sorted(set(msg.available_strategies())))
 def test_deterministic_in_fresh_graphs(strategy):
     """Two fresh graphs built the same way: same new op names (in order), same checkpoints, same GraphDef."""
@@ -185,6 +186,8 @@ with g.as_default():
 """
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_deterministic_across_processes_and_hash_seeds():
     """Set and dict order of ops depends on object addresses and PYTHONHASHSEED; the rewrite must not."""
     strategy = "memory" if "memory" in msg.available_strategies() else "collection"

@@ -51,6 +51,7 @@ the baseline's 100.
 
 from __future__ import annotations
 
+import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
@@ -92,6 +93,7 @@ def measure_both(measure_peak, model, checkpoints):
     return units(ours_peak), units(theirs_peak)
 
 
+@pytest.mark.unit
 def test_prediction_arithmetic():
     assert chain_prediction(5, []) == 5
     assert chain_prediction(5, [1, 3]) == 3
@@ -99,6 +101,7 @@ def test_prediction_arithmetic():
     assert chain_prediction(5, [1, 3], units_per_step=2) == 5
 
 
+@pytest.mark.memory
 def test_chain_100_checkpoint_every_10_uses_at_most_a_quarter(graph, measure_peak):
     """100 tanh on 1 MiB vectors, checkpoints a10, a20, .. a90: <= 25% of tf.gradients' peak.
 
@@ -114,6 +117,7 @@ def test_chain_100_checkpoint_every_10_uses_at_most_a_quarter(graph, measure_pea
     assert abs(ours - chain_prediction(n, positions)) < 0.5, ours
 
 
+@pytest.mark.memory
 def test_chain_5_checkpoints_a1_a3_saves_two_units(graph, measure_peak):
     """Chain of 5, checkpoints [a1, a3]: peak = baseline - 2 = 3 units, to 1 MiB.
 
@@ -129,6 +133,7 @@ def test_chain_5_checkpoints_a1_a3_saves_two_units(graph, measure_peak):
     assert abs(ours - (baseline - 2)) < 0.5
 
 
+@pytest.mark.memory
 def test_chain_5_when_the_loss_is_fetched_too(graph, measure_peak):
     """A training step fetches the loss as well: the forward pass then runs to a5.
 
@@ -146,6 +151,7 @@ def test_chain_5_when_the_loss_is_fetched_too(graph, measure_peak):
     assert ours_peak <= theirs_peak - 2 + 0.5
 
 
+@pytest.mark.memory
 def test_dual_chain(graph, measure_peak):
     """Two tanh chains of 5 from x (b_i, and c_i from 0.5 x); checkpoints [b1, c1, b3, c3].
 
@@ -171,6 +177,7 @@ def test_dual_chain(graph, measure_peak):
     assert baseline < 2 * n + 0.5, baseline
 
 
+@pytest.mark.memory
 def test_small_residual_net(graph, measure_peak):
     """5 residual blocks a_i = a_{i-1} + tanh(tanh(a_{i-1})); checkpoints [a1, a3].
 
@@ -190,6 +197,7 @@ def test_small_residual_net(graph, measure_peak):
     assert abs(ours - chain_prediction(n, [1, 3], units_per_step=2)) < 0.5, ours
 
 
+@pytest.mark.memory
 def test_collection_checkpoints_save_the_same(graph, measure_peak):
     """gradients_collection with the collection [a1, a3] measures like the explicit list."""
     model = chain.build_tanh_chain(n=5)

@@ -218,6 +218,7 @@ def test_stop_gradients_single_tensor_and_on_a_checkpoint(graph, run_both, asser
 # Keywords of tf.compat.v1.gradients
 
 
+@pytest.mark.unit
 def test_signature_has_every_keyword_of_tf_gradients_with_its_default():
     ours = inspect.signature(msg.gradients).parameters
     for name, param in inspect.signature(tf_gradients).parameters.items():

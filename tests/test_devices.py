@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.memory, pytest.mark.slow]
+
 HALF = 16
 SIZE = 262144  # float32 elements: 1 MiB
 EVERY = 4

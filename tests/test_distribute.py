@@ -16,6 +16,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 LAYERS = 8
 WIDTH = 64
 BATCH = 16  # global batch: 8 examples per replica
@@ -68,6 +70,7 @@ def test_tape_patch_in_replica_function_trains_like_the_plain_tape(measured):
     np.testing.assert_allclose(ours, theirs, rtol=1e-5)
 
 
+@pytest.mark.keras
 def test_keras_fit_under_mirrored_strategy_with_enable(measured):
     np.testing.assert_allclose(measured["keras_losses"], measured["keras_baseline"], rtol=1e-5)
 

@@ -24,6 +24,8 @@ from memory_saving_gradients import memo, rewrite, tape_hooks  # noqa: E402
 from memory_saving_gradients import patching  # noqa: E402
 from memory_saving_gradients import tape as tape_lib  # noqa: E402
 
+pytestmark = pytest.mark.keras
+
 LOGGER = "memory_saving_gradients"
 WIDTH, DEPTH, BATCH = 64, 8, 256
 
@@ -170,6 +172,7 @@ FAILURES = {"impossible budget": _impossible_budget, "internal error": _internal
             "tensorflow error": _tensorflow_error}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", sorted(FAILURES))
 @pytest.mark.parametrize("entry", ["patched", "keras.enable"])
 def test_a_failed_trace_in_keras_3_fit_leaves_a_model_that_fits_plainly(entry, failure,
@@ -194,6 +197,7 @@ def test_a_failed_trace_in_keras_3_fit_leaves_a_model_that_fits_plainly(entry, f
     assert np.isfinite(history.history["loss"][-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["impossible budget", "internal error"])
 def test_a_failed_trace_in_tf_keras_fit_leaves_a_model_that_fits_plainly(failure, monkeypatch):
     memo.forget()
@@ -207,6 +211,7 @@ def test_a_failed_trace_in_tf_keras_fit_leaves_a_model_that_fits_plainly(failure
     assert np.isfinite(history.history["loss"][-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", sorted(FAILURES))
 def test_a_failed_first_trace_of_a_custom_step_can_be_traced_again(failure, monkeypatch):
     """The same tf.function, which creates a variable on its first call (after the
@@ -257,6 +262,7 @@ def _assert_reported(handle, lines, where):
         in lines[0]
 
 
+@pytest.mark.slow
 def test_patched_keras_3_fit_logs_one_info_line_and_keeps_the_plan(caplog):
     model = _keras3_model(name="reported_keras3")
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -265,6 +271,7 @@ def test_patched_keras_3_fit_logs_one_info_line_and_keeps_the_plan(caplog):
     _assert_reported(handle, _rewrite_lines(caplog), "Keras model 'reported_keras3'")
 
 
+@pytest.mark.slow
 def test_patched_tf_keras_fit_logs_one_info_line_and_keeps_the_plan(caplog):
     model = _tf_keras_model(name="reported_tf_keras")
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -309,6 +316,7 @@ def test_gradient_tape_keeps_the_plans_of_what_it_rewrote():
     assert plan.checkpoints and plan.predicted_peak_bytes < plan.baseline_peak_bytes
 
 
+@pytest.mark.slow
 def test_keras_enable_keeps_the_plans_and_names_the_model(caplog):
     model = msg.keras.enable(_keras3_model(name="enabled_model"))
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -368,6 +376,7 @@ def test_a_patch_around_a_step_traced_before_warns_with_the_cause():
     assert len([w for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)]) == 1
 
 
+@pytest.mark.slow
 def test_a_patch_after_keras_fit_warns_naming_the_model_and_keras_enable_retraces():
     model = _keras3_model(name="fitted_before")
     _fit(model)  # its train_function exists now
@@ -382,6 +391,7 @@ def test_a_patch_after_keras_fit_warns_naming_the_model_and_keras_enable_retrace
     assert msg.keras.plans(model)
 
 
+@pytest.mark.slow
 def test_run_eagerly_warns_naming_run_eagerly():
     model = msg.keras.enable(_keras3_model(name="eager_model", run_eagerly=True))
     with pytest.warns(msg.EagerExecutionWarning, match="run_eagerly") as caught:

@@ -12,6 +12,8 @@ import os
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.memory
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -23,7 +25,13 @@ def _example(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["keras_tf_data", "tf_keras_fit", "custom_loop", "xla_step"])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [
+    pytest.param("keras_tf_data", marks=pytest.mark.keras),
+    pytest.param("tf_keras_fit", marks=pytest.mark.keras),
+    pytest.param("custom_loop", marks=pytest.mark.keras),  # a tf.keras optimizer
+    pytest.param("xla_step", marks=pytest.mark.xla),
+])
 def test_training_examples_train_alike_and_save_memory(name):
     if name == "tf_keras_fit":
         pytest.importorskip("tf_keras", reason="tf-keras is a test extra (pip install tf-keras)")
@@ -32,6 +40,7 @@ def test_training_examples_train_alike_and_save_memory(name):
     assert result["peak"] < 0.8 * result["plain_peak"], result
 
 
+@pytest.mark.slow
 def test_v1_graph_example():
     result = _example("v1_graph").main([])
     peaks = result["peaks"]
@@ -40,6 +49,7 @@ def test_v1_graph_example():
     assert result["max_difference"] < 1e-4
 
 
+@pytest.mark.slow
 def test_budget_example_meets_its_budgets():
     result = _example("budget_plan").main([])
     assert result["rows"], "no budget was feasible"
@@ -48,6 +58,8 @@ def test_budget_example_meets_its_budgets():
         assert measured <= 1.15 * budget, (measured, budget)
 
 
+@pytest.mark.slow
+@pytest.mark.keras
 def test_largest_batch_example_fits_and_checkpointing_trains_a_larger_batch():
     result = _example("largest_batch").main([])
     rows = result["rows"]

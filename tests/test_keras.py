@@ -24,6 +24,8 @@ keras = pytest.importorskip("keras")
 import memory_saving_gradients as msg  # noqa: E402
 from memory_saving_gradients import tape as tape_lib  # noqa: E402
 
+pytestmark = pytest.mark.keras
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "keras_fit.py")
 
@@ -56,6 +58,7 @@ def _fit(model, steps=4):
     return history.history
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_fit_trains_like_keras_with_batch_norm_and_dropout(dropout, recorded_graphs):
     plain = _model(dropout)
@@ -77,6 +80,7 @@ def test_fit_trains_like_keras_with_batch_norm_and_dropout(dropout, recorded_gra
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_enable_reaches_a_custom_train_step_and_refuses_tensor_lists(recorded_graphs):
     """A model's own train_step with tf.GradientTape is checkpointed too."""
     import tensorflow as tf
@@ -110,6 +114,7 @@ def test_enable_reaches_a_custom_train_step_and_refuses_tensor_lists(recorded_gr
         msg.keras.enable(object())
 
 
+@pytest.mark.slow
 def test_disable_restores_keras_train_step(recorded_graphs):
     model = msg.keras.enable(_model(0.0, blocks=2), checkpoints="memory")
     assert msg.keras.is_enabled(model)
@@ -134,6 +139,9 @@ def _result(proc) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.memory
 def test_deep_fit_peak_rss_drops_by_200_mb():
     """48 x Dense(1024), batch 4096, one step, in two processes (ours then evaluates).
 
@@ -172,6 +180,7 @@ def test_run_eagerly_trains_and_warns_once():
     assert len([w for w in caught if w.category is msg.EagerExecutionWarning]) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
 def test_patched_fit_on_tf_data_trains_like_keras(steps_per_execution, recorded_graphs):
     """The one line for a TF2 user: `with patched():` around fit on a tf.data pipeline

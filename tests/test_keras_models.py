@@ -35,6 +35,8 @@ keras = pytest.importorskip("keras")
 import memory_saving_gradients as msg  # noqa: E402
 from bench import keras_suite  # noqa: E402
 
+pytestmark = [pytest.mark.keras, pytest.mark.memory]
+
 try:
     keras_suite.import_keras_hub()
     _NO_HUB = None
@@ -59,6 +61,7 @@ def _assert_same_losses(got, want, what):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg=what)
 
 
+@pytest.mark.slow
 @needs_keras_hub
 @pytest.mark.parametrize("case", ["gpt2_fit", "bert_fit"])
 def test_keras_hub_fit_through_enable_and_patched(case):
@@ -119,6 +122,7 @@ def _tape_sensitivity(model, want, batch: int = 32) -> float:
     return max(float(tf.reduce_max(tf.abs(m - w))) for m, w in zip(moved, want))
 
 
+@pytest.mark.slow
 def test_mobilenet_v2_gradients_of_trainable_variables_equal_the_tape_and_peak_drops():
     model, want, got, tape_peak, our_peak = mobilenet_step()
 

@@ -26,6 +26,7 @@ def _rows():
     ]
 
 
+@pytest.mark.unit
 def test_compare_fills_ratios_and_loss_equality_against_plain():
     rows = keras_suite.compare(_rows())
     plain, patched, enable, remat, orphan = rows
@@ -39,6 +40,7 @@ def test_compare_fills_ratios_and_loss_equality_against_plain():
     assert orphan.rss_ratio is None and orphan.losses_equal is None
 
 
+@pytest.mark.unit
 def test_outputs_have_every_row_and_say_which_failed(tmp_path):
     rows = keras_suite.compare(_rows())
     written = keras_suite.write_outputs(str(tmp_path), rows, header="# Keras suite\n")
@@ -54,12 +56,14 @@ def test_outputs_have_every_row_and_say_which_failed(tmp_path):
         assert os.path.getsize(written["png"]) > 0
 
 
+@pytest.mark.unit
 def test_cli_accepts_suite_keras():
     args = cli.parser().parse_args(["--suite", "keras", "--quick", "--out", "x"])
     assert args.suite == "keras" and args.quick
     assert cli.parser().parse_args([]).suite == "default"
 
 
+@pytest.mark.unit
 def test_error_description_skips_keras_wrapper_line():
     error = ValueError("Exception encountered when calling Functional.call().\n\n"
                        "\x1b[1mThe custom_gradient decorator needs eager.\x1b[0m\n\nArguments")
@@ -71,6 +75,10 @@ def test_error_description_skips_keras_wrapper_line():
     assert keras_suite.describe_error(autograph) == "ValueError: Keywords need eager."
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.keras
+@pytest.mark.memory
 def test_tiny_case_in_its_own_process_trains_and_measures():
     size = keras_suite.sizes_for("keras3_fit", quick=True)
     plain = keras_suite.run_in_subprocess("keras3_fit", "plain", size, timeout=300)

@@ -44,6 +44,7 @@ def _within(ours: float, stated: float) -> bool:
     return ours <= max(SLACK * stated, stated + ABSOLUTE_SLACK)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODELS)
 def test_unknown_batch_plan_is_near_the_stated_plan_at_every_batch(name, graph):
     loss, xs, _ = _build(name, 8, False)
@@ -68,6 +69,8 @@ def _measured(name, batch, measure_peak, sessions, **options):
         return min(measure_peak(grads, feed)[0] for _ in range(sessions))
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 @pytest.mark.parametrize("batch", [512, 4096])
 def test_unknown_batch_plan_measured_at_large_batches(batch, measure_peak):
     known = _measured("mlp", batch, measure_peak, 2, batch_size=batch)
@@ -83,6 +86,8 @@ LARGE_BATCHES = [("resnet", 256), ("unet", 256)] + (
     if os.environ.get("MSG_LARGE_BATCH") == "1" else [])
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 @pytest.mark.parametrize("name,batch", LARGE_BATCHES)
 def test_unknown_batch_plan_measured_at_large_batches_of_every_model(name, batch, measure_peak):
     known = _measured(name, batch, measure_peak, 2, batch_size=batch)
@@ -95,6 +100,8 @@ def test_unknown_batch_plan_measured_at_large_batches_of_every_model(name, batch
 MEMORY = {"mlp": 64 * MB, "resnet": 48 * MB, "transformer": 64 * MB, "unet": 48 * MB}
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 @pytest.mark.parametrize("name", MODELS)
 def test_largest_batch_fits_and_is_not_needlessly_small(name, measure_peak):
     memory = MEMORY[name]
@@ -169,6 +176,9 @@ def _fit_total(keras, model, batch, patched):
     return peak + msg.keras.model_bytes(model)
 
 
+@pytest.mark.slow
+@pytest.mark.memory
+@pytest.mark.keras
 def test_keras_largest_batch():
     keras = pytest.importorskip("keras")
     memory = 128 * MB

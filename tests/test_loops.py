@@ -272,21 +272,26 @@ def _sample(full: list, ci: list) -> list:
 ALL = list(CONSTRUCTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("construct", ALL)
 def test_tf_function_every_strategy(construct):
     _check_function(construct, jit_compile=False)
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 @pytest.mark.parametrize("construct", _sample(ALL, ["while_writes", "nested_loops"]))
 def test_xla_every_strategy(construct):
     _check_function(construct, jit_compile=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("construct", ALL)
 def test_v1_graph_v1_control_flow_every_strategy(construct):
     _check_v1_graph(construct, v1_control_flow=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("construct", _sample(ALL, ["while_reads_and_writes"]))
 def test_v1_graph_v2_control_flow_every_strategy(construct):
     _check_v1_graph(construct, v1_control_flow=False)
@@ -342,11 +347,14 @@ def _check_tape(construct, jit_compile):
         _assert_same(reference, _numpy(grads), f"tape {construct}/{checkpoints}{sorted(options)}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("construct", _sample(ALL, ["while_writes", "scan", "map_fn"]))
 def test_tape_patch_every_strategy(construct):
     _check_tape(construct, jit_compile=False)
 
 
+@pytest.mark.slow
+@pytest.mark.xla
 @pytest.mark.parametrize("construct", _sample(ALL, ["while_writes"]))
 def test_tape_patch_under_xla(construct):
     _check_tape(construct, jit_compile=True)
@@ -527,6 +535,8 @@ if FULL:
     RNN_CASES += [("SimpleRNN", "patched"), ("Bidirectional", "enable"), ("ConvLSTM2D", "patched")]
 
 
+@pytest.mark.slow
+@pytest.mark.keras
 @pytest.mark.skipif(keras is None, reason="keras is not installed")
 @pytest.mark.parametrize("kind,how", RNN_CASES)
 def test_keras_rnn_fit_updates_every_variable_as_plain(kind, how, recorded_graphs):
@@ -550,6 +560,7 @@ def test_keras_rnn_fit_updates_every_variable_as_plain(kind, how, recorded_graph
 # ----------------------------------------------------------------- memory
 
 
+@pytest.mark.memory
 def test_loop_then_mlp_saves_memory_as_planned(measure_peak):
     """The issue's loop (T=16, batch 256, width 256) and 8 dense layers after it, in a v1
     graph: 'memory' recomputes the layers after the loop and measures at most 0.7x plain's

@@ -71,6 +71,7 @@ def test_graph_build_loss_and_grads(name, size):
         assert np.all(np.isfinite(_dense(g)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,size', VARIANTS, ids=VARIANT_IDS)
 def test_deterministic_and_tf_function_matches(name, size):
     _, loss1, grads1, _ = _graph_run(name, size)

@@ -24,6 +24,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 STEPS = 3
 WORKER_TIMEOUT_S = 75
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiworker_worker.py")

@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.memory, pytest.mark.slow]
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 SCRIPT = r"""

@@ -22,6 +22,8 @@ from memory_saving_gradients import _tensorflow as shim
 from memory_saving_gradients import graph as graph_lib
 from memory_saving_gradients import ops
 
+pytestmark = pytest.mark.unit
+
 GRADIENT_READS = {
     name: value for name, value in ops.ALL_SETS.items() if name.startswith("GRADIENT_READS_")
 }

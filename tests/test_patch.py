@@ -270,6 +270,7 @@ def test_classic_assignments_keep_working(name):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.memory
 def test_patched_minimize_peak_is_below_three_quarters_of_plain(measure_peak):
     """24-layer MLP, width 512, batch 256: measured peak of a minimize step."""
     peaks = {}

@@ -63,6 +63,8 @@ def no_bn_peaks():
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 @pytest.mark.parametrize("matmuls", [0, 2], ids=["conv-shortcuts", "two-matmul-shortcuts"])
 def test_no_bn_resnet_memory_bound(no_bn_peaks, matmuls):
     base, _ = no_bn_peaks[matmuls, "tf"]
@@ -72,6 +74,8 @@ def test_no_bn_resnet_memory_bound(no_bn_peaks, matmuls):
     assert ours <= collection, (ours / MB, collection / MB)
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_no_bn_resnet_shortcut_writing_does_not_move_the_plan(no_bn_peaks):
     (conv, conv_pred), (mm, mm_pred) = no_bn_peaks[0, "memory"], no_bn_peaks[2, "memory"]
     assert abs(conv - mm) <= 0.05 * min(conv, mm), (conv / MB, mm / MB)
@@ -79,6 +83,8 @@ def test_no_bn_resnet_shortcut_writing_does_not_move_the_plan(no_bn_peaks):
         conv_pred / MB, mm_pred / MB)
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 @pytest.mark.parametrize("variant", ["tf", "memory"])
 @pytest.mark.parametrize("matmuls", [0, 2], ids=["conv-shortcuts", "two-matmul-shortcuts"])
 def test_no_bn_resnet_prediction_within_10_percent(no_bn_peaks, matmuls, variant):
@@ -86,6 +92,8 @@ def test_no_bn_resnet_prediction_within_10_percent(no_bn_peaks, matmuls, variant
     assert abs(predicted - measured) <= 0.10 * measured, (predicted / MB, measured / MB)
 
 
+@pytest.mark.slow
+@pytest.mark.cpu_time
 def test_build_time_on_resnet110_against_tf_gradients():
     """gradients(checkpoints='memory') builds ResNet-110 (batch 2) in at most 4.5x
     tf.gradients' time, both warmed up, best of three: a generous bound for growth

@@ -586,6 +586,7 @@ def _quiet():
 EXAMPLES = int(os.environ.get("RANDOM_GRAPH_EXAMPLES", "250"))
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(programs())
@@ -593,6 +594,7 @@ def test_random_graphs_match_tf_gradients(program):
     check_program(program)
 
 
+@pytest.mark.slow
 @settings(max_examples=max(10, EXAMPLES // 10), deadline=None, derandomize=True,
           database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(programs(max_nodes=8))

@@ -59,6 +59,8 @@ def _best(first, again):
     return best
 
 
+@pytest.mark.slow
+@pytest.mark.cpu_time
 @pytest.mark.parametrize("model", sorted(SIZES))
 def test_rewrite_time_is_linear_and_within_3x_of_tf_gradients(model, builders, record_property):
     _, (small_value, big_value) = scaling.sizes_for(model, SIZES[model], builders)
@@ -103,6 +105,8 @@ def _python_peak(build, value, ours: bool):
     return ops, peak
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_python_memory_of_the_rewrite_is_proportional_to_the_graph(builders):
     _, _, build = builders["resnet"]
     _, (small_value, big_value) = scaling.sizes_for("resnet", (1_500, 6_000), builders)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from memory_saving_gradients import profiling
 from memory_saving_gradients._tensorflow import tf
+
+pytestmark = pytest.mark.unit
 
 
 def _metadata(nodes):

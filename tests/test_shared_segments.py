@@ -93,6 +93,7 @@ def test_a_merge_that_would_cut_a_chain_is_split(graph):
     np.testing.assert_allclose(values[0], expected[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget_fraction", [0.45, 0.7])
 def test_transformer_budget_plan_runs_what_it_predicts(budget_fraction):
     """A budget plan that keeps tensors inside attention blocks: the products the

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 import test_models
+import pytest
 
 
 def _new_ops(layers):
@@ -20,6 +21,7 @@ def _new_ops(layers):
         return before, len(graph.get_operations()) - before
 
 
+@pytest.mark.slow
 def test_speed_rewrite_grows_linearly():
     small_ops, small_new = _new_ops(8)
     large_ops, large_new = _new_ops(32)

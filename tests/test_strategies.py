@@ -77,6 +77,7 @@ MODELS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["speed", "memory"])
 @pytest.mark.parametrize("name,size", MODELS, ids=[m[0] for m in MODELS])
 def test_strategy_gradients_equal_tf_gradients(name, size, strategy):
@@ -110,6 +111,8 @@ def test_speed_chooses_by_op_type_not_name(graph):
     assert "conv_not_a_conv:0" not in names
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_memory_without_bottleneck_still_saves():
     """A U-Net has no single tensor separating its input from its loss."""
     base, _ = _measure("unet", "tf", image_size=64, batch=8, base=16, levels=4)
@@ -186,6 +189,8 @@ def test_infeasible_budget_states_smallest_peak():
 
 # --- measured memory against tf.gradients ---------------------------------
 
+@pytest.mark.slow
+@pytest.mark.memory
 @pytest.mark.parametrize(
     "name,size,bound",
     [
@@ -212,6 +217,8 @@ def test_memory_strategy_peak_and_plan_accuracy(name, size, bound):
         our_plan.predicted_peak_bytes / MB, ours / MB)
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_unet_plan_matches_the_measured_peak():
     """The U-Net's skip connections leave the executor independent branches to
     interleave: plain tf.gradients measured 49.6-65.3 MB from run to run.  'memory'
@@ -231,6 +238,8 @@ def test_unet_plan_matches_the_measured_peak():
         our_plan.predicted_peak_bytes / MB, low / MB)
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_budget_beats_uniform_on_resnet110():
     """0.22x of the predicted baseline as budget: measured at most 0.25x of tf.gradients."""
     size = dict(depth=110, batch=32)
@@ -240,6 +249,8 @@ def test_budget_beats_uniform_on_resnet110():
     assert ours <= 0.25 * base, f"{ours / MB:.1f} MB vs {base / MB:.1f} MB"
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_budgets_are_met_and_monotone():
     """Budgets of 0.4, 0.6, 0.8 of the baseline: measured peaks within 1.15x, rising
     (within 1%)."""
@@ -274,6 +285,7 @@ def test_copies_nothing_reads_are_not_run(graph):
     assert graph_lib.copies_that_run([h.op, out.op, squared.op]) == {h.op, out.op}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoints", ["memory", "collection", "speed"])
 def test_plan_counts_the_convolutions_a_step_recomputes(checkpoints):
     """plan().recomputed_ops matches what grappler leaves to run: extra Conv2D
@@ -310,6 +322,7 @@ def _training_peak(model, checkpoints):
                                          fetched=False).peak_bytes
 
 
+@pytest.mark.slow
 def test_balanced_trades_peak_for_recomputation_within_its_slack(monkeypatch):
     """'balanced' recomputes no more than the least-peak plan, and peaks at most
     MEMORY_SLACK above it; weighing memory above everything gives the least peak."""
@@ -331,6 +344,7 @@ def test_balanced_trades_peak_for_recomputation_within_its_slack(monkeypatch):
                                             strategies.SAVING_SLACK * (baseline - least_peak))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,size", [
     ("resnet", dict(depth=56, batch=8)),
     ("resnet", dict(depth=110, batch=32)),
@@ -361,6 +375,7 @@ def test_memory_takes_the_least_peak(monkeypatch, name, size):
     assert ours.recompute_cost <= least.recompute_cost + 1e-9
 
 
+@pytest.mark.slow
 def test_memory_peak_grows_as_sqrt_depth_not_as_depth():
     """Predicted training peaks of 'memory' over ResNet depths 20-218 (batch 8): the
     fitted exponent stays near the least peak's sqrt(depth), far from tf.gradients' 1."""

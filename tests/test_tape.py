@@ -181,6 +181,7 @@ def test_eager_mode_gives_plain_gradients_and_warns_once(weights, x):
     assert len(messages) == 1 and "eager" in str(messages[0].message)
 
 
+@pytest.mark.keras
 def test_keras_variables_as_sources():
     keras = pytest.importorskip("keras")
     layer = keras.layers.Dense(16, activation="tanh")
@@ -204,6 +205,8 @@ def test_keras_variables_as_sources():
         _close(a, b)
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_tape_in_tf_function_lowers_the_measured_peak(graph, measure_peak):
     """A tf.function training step called in a v1 graph: its nodes show in the step stats.
 

@@ -297,6 +297,8 @@ def test_identical_retraces_are_planned_once(weights, x, monkeypatch):
     assert len(calls) == 2, "an identical retrace was planned again"
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 def test_tape_step_in_tf_function_lowers_the_measured_peak(graph, measure_peak):
     """A training step with a plain tf.GradientTape, patched: its peak drops.
 

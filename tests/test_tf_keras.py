@@ -31,6 +31,8 @@ import memory_saving_gradients as msg  # noqa: E402
 from memory_saving_gradients import profiling  # noqa: E402
 from bench import keras_suite  # noqa: E402
 
+pytestmark = pytest.mark.keras
+
 #: conv net: 8 x (3x3 conv 8 channels - batch norm - ReLU) at 32 px, batch 32
 CONV_SIZE = dict(batch=32, image=32, channels=8, depth=8, classes=10, warm_steps=1, steps=2)
 PEAK_RATIO = 0.8
@@ -49,6 +51,8 @@ def test_importing_tf_keras_leaves_keras_3_as_tf_keras_module():
     assert tf.keras.Model is keras.Model
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 @pytest.mark.parametrize("variant", ["enable", "patched"])
 def test_functional_fit_same_losses_and_lower_peak(variant):
     plain = keras_suite.run_case("tf_keras_fit", "plain", CONV_SIZE)
@@ -88,6 +92,8 @@ def _fit_sequential(variant):
                                            size["steps"], batch_size=b)
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 @pytest.mark.parametrize("variant", ["enable", "patched"])
 def test_sequential_with_dropout_fit_on_numpy_same_losses_and_lower_peak(variant):
     plain = _fit_sequential("plain")
@@ -132,6 +138,7 @@ def _fit_v1_graph(patched: bool):
         return losses, sum(profiling.peak_memory(metadata).values())
 
 
+@pytest.mark.memory
 def test_legacy_v1_optimizer_in_a_v1_graph_goes_through_the_patch():
     want, plain_peak = _fit_v1_graph(patched=False)
     got, our_peak = _fit_v1_graph(patched=True)

@@ -13,6 +13,7 @@ MODEL = timing.Throughput(
     bytes_per_second=10.0, seconds_per_op=0.5, backward={"conv": 2.0, "other": 1.5})
 
 
+@pytest.mark.unit
 def test_an_op_costs_its_slower_roof_plus_the_fixed_cost():
     assert timing.op_seconds(1000, 10, "conv", MODEL) == pytest.approx(10.5)   # compute-bound
     assert timing.op_seconds(10, 1000, "conv", MODEL) == pytest.approx(100.5)  # memory-bound
@@ -20,11 +21,13 @@ def test_an_op_costs_its_slower_roof_plus_the_fixed_cost():
     assert timing.op_seconds(100, 0, "unknown kind", MODEL) == pytest.approx(100.5)  # as "other"
 
 
+@pytest.mark.unit
 def test_backward_factor_per_kind_with_other_as_default():
     assert timing.backward_seconds(3.0, "conv", MODEL) == pytest.approx(6.0)
     assert timing.backward_seconds(3.0, "norm", MODEL) == pytest.approx(4.5)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("op_type, kind", [
     ("Conv2D", "conv"), ("_FusedConv2D", "conv"), ("BatchMatMulV2", "matmul"),
     ("FusedBatchNormV3", "norm"), ("Relu", "other"), ("AddV2", "other")])

@@ -25,6 +25,8 @@ import tensorflow as tf  # noqa: E402
 import memory_saving_gradients as msg  # noqa: E402
 from memory_saving_gradients import profiling  # noqa: E402
 
+pytestmark = [pytest.mark.keras, pytest.mark.memory]
+
 keras = pytest.importorskip("keras")
 
 RATIO = 0.75
@@ -146,6 +148,7 @@ def _peak(case, size, patched):
     return _v1_graph_peak(size, patched)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [MLP, CONV], ids=["mlp", "conv"])
 @pytest.mark.parametrize("case", ["keras3_fit", "tf_keras_fit", "custom_loop", "v1_graph"])
 def test_one_line_saves_memory_with_an_unknown_batch(case, size):

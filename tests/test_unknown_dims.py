@@ -63,6 +63,8 @@ def _measured_peak(name, batch, batch_known, measure_peak, **options):
         return min(measure_peak(grads, feed)[0] for _ in range(SESSIONS))
 
 
+@pytest.mark.slow
+@pytest.mark.memory
 @pytest.mark.parametrize("batch", [8, 64])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_unknown_batch_plan_peaks_like_the_known_batch_plan(name, batch, measure_peak):
@@ -90,6 +92,7 @@ def test_plan_states_what_it_assumed(graph):
     assert stated.baseline_peak_bytes > 1.5 * the_plan.baseline_peak_bytes
 
 
+@pytest.mark.memory
 def test_budget_with_an_unknown_batch_plans_at_the_largest_batch_that_fits(
         graph, measure_peak, op_snapshot):
     """No ``batch_size``: the plan is made at the largest batch whose least peak meets
@@ -142,6 +145,7 @@ def test_keeping_nothing_is_one_warning_that_says_why():
     assert "planned for every batch" in warnings[0] and "batch_size=" in warnings[0]
 
 
+@pytest.mark.slow
 def test_same_values_with_an_unknown_batch(graph, run_both, assert_grads_match):
     loss, xs, feed = _build("transformer", 8, False)
     ours = msg.gradients(loss, xs, checkpoints="memory")

@@ -86,6 +86,7 @@ def _keras3_model(keras):
     return keras.Sequential(stack + [keras.layers.Dense(1)])
 
 
+@pytest.mark.keras
 def test_keras3_variables():
     keras = pytest.importorskip("keras")
     model, x = _keras3_model(keras), _inputs()
@@ -93,6 +94,7 @@ def test_keras3_variables():
     _check(lambda: tf.reduce_sum(model(x, training=True) ** 2), model.trainable_variables)
 
 
+@pytest.mark.keras
 def test_keras3_mixed_precision_variables():
     keras = pytest.importorskip("keras")
     keras.mixed_precision.set_dtype_policy("mixed_float16")
@@ -109,6 +111,7 @@ def _tf_keras():
     return pytest.importorskip("tf_keras", reason="tf-keras is a test extra (pip install tf-keras)")
 
 
+@pytest.mark.keras
 def test_tf_keras_variables():
     tf_keras = _tf_keras()
     tf_keras.utils.set_random_seed(0)
@@ -120,6 +123,7 @@ def test_tf_keras_variables():
     _check(lambda: tf.reduce_sum(model(x, training=True) ** 2), model.trainable_variables)
 
 
+@pytest.mark.keras
 def test_tf_keras_autocast_variables():
     tf_keras = _tf_keras()
     tf_keras.mixed_precision.set_global_policy("mixed_float16")

@@ -24,6 +24,8 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 
+pytestmark = pytest.mark.xla
+
 LAYERS = 12
 WIDTH = 128
 BATCH = 256
@@ -269,6 +271,9 @@ def xla_memory():
 MODELS = ["mlp", "transformer", "resnet"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.memory
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("mode", ["list", "memory"])
 def test_xla_temp_memory_below_plain(xla_memory, model, mode):
@@ -278,6 +283,8 @@ def test_xla_temp_memory_below_plain(xla_memory, model, mode):
     assert ours <= 0.85 * plain, result
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("model", ["transformer", "resnet"])
 @pytest.mark.parametrize("mode", ["list", "memory"])
 def test_gradients_under_xla_equal_tf_gradients(xla_memory, model, mode):
@@ -288,6 +295,9 @@ def test_gradients_under_xla_equal_tf_gradients(xla_memory, model, mode):
     assert result[mode]["error"] <= max(2 * result["plain"]["error"], 1e-4), result
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.memory
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("mode", ["list", "memory"])
 def test_planner_prediction_near_xla_memory(xla_memory, model, mode):
@@ -300,6 +310,9 @@ def test_planner_prediction_near_xla_memory(xla_memory, model, mode):
     assert 0.6 <= ratio <= 1.1, result
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.memory
 def test_v1_xla_compile_is_detected_and_saves(xla_memory):
     result = xla_memory["jit"]["v1_compile"]
     assert result["detected"], result
@@ -307,6 +320,9 @@ def test_v1_xla_compile_is_detected_and_saves(xla_memory):
     assert result["list"]["error"] <= 1e-4, result
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.memory
 def test_graph_built_without_xla_then_compiled(xla_memory):
     """A v1 function (wrap_function) with gradients() in it, built without XLA and then
     called inside jit_compile: nothing says XLA while it is built, so XLA merges the
@@ -317,6 +333,9 @@ def test_graph_built_without_xla_then_compiled(xla_memory):
     assert abs(result["list"]["temp"] - result["plain"]["temp"]) <= 0.05 * result["plain"]["temp"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.memory
 def test_auto_clustering_saves(xla_memory):
     """TF_XLA_FLAGS=--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit: a v1 session's step is
     one XLA cluster; the rewrite sees the flags at build time and keeps its saving."""
@@ -326,6 +345,10 @@ def test_auto_clustering_saves(xla_memory):
     assert result["list"]["error"] <= 1e-4, result
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.keras
+@pytest.mark.memory
 @pytest.mark.parametrize("how", ["enabled", "patched"])
 def test_keras_fit_with_jit_compile(xla_memory, how):
     """keras.enable(model), or patch() (tapes included), on a Keras 3 model compiled with
