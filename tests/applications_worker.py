@@ -34,12 +34,12 @@ import warnings
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-import keras  # noqa: E402
+import keras
+import numpy as np
+import tensorflow as tf
 
-import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients import _tensorflow  # noqa: E402
+import memory_saving_gradients as msg
+from memory_saving_gradients import _tensorflow
 
 STRATEGIES = ("memory", "balanced", "speed", "budget", "list")
 

@@ -21,8 +21,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import tensorflow as tf  # noqa: E402
 
 import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients import profiling  # noqa: E402
 from bench import keras_suite as suite  # noqa: E402
+from memory_saving_gradients import profiling  # noqa: E402
 
 MIB = 1 << 20
 

@@ -24,9 +24,9 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, settings  # noqa: E402
-
-import test_random_graphs as rg  # noqa: E402
+import test_random_graphs as rg
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
 
 
 def main(argv=None) -> int:
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
           f"max {args.max_nodes} nodes, strategies {strategies}", flush=True)
     try:
         prop()
-    except Exception as error:  # noqa: BLE001 - report and fail
+    except Exception as error:
         print(f"FAILED after {clean['examples']} clean examples: {type(error).__name__}: {error}")
         for note in getattr(error, "__notes__", []):  # hypothesis: the shrunk example
             print(note)

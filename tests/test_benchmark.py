@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import bench as benchmark
 import memory_saving_gradients as msg
 import test_models
-import bench as benchmark
-from bench import cli
-from bench import core, fits, report
+from bench import cli, core, fits, report
 
 
 def _chain_spec(n=20, size=16384):

@@ -16,10 +16,10 @@ import contextlib
 import numpy as np
 import pytest
 import tensorflow as tf
+from gradient_values import control_flow_v1
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import profiling
-from gradient_values import control_flow_v1
 
 WIDTH = 16
 BATCH = 4

@@ -17,9 +17,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import pytest
 import tensorflow as tf
+from gradient_values import dense, kind
 
 import memory_saving_gradients as msg
-from gradient_values import dense, kind
 from memory_saving_gradients._tensorflow import tf_gradients
 
 N = 4
@@ -197,7 +197,7 @@ def test_sparse_gradients_stay_sparse(g):
 def _error_of(fn):
     try:
         fn()
-    except Exception as error:  # noqa: BLE001 - we compare the class
+    except Exception as error:
         return error
     return None
 

@@ -13,16 +13,20 @@ import warnings
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-from tensorflow.python.ops import gradients_impl  # noqa: E402
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.ops import gradients_impl
 
-import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients import memo, rewrite, tape_hooks  # noqa: E402
-from memory_saving_gradients import patching  # noqa: E402
-from memory_saving_gradients import tape as tape_lib  # noqa: E402
+import memory_saving_gradients as msg
+from memory_saving_gradients import (
+    memo,
+    patching,
+    rewrite,
+    tape_hooks,
+)
+from memory_saving_gradients import tape as tape_lib
 
 pytestmark = pytest.mark.keras
 
@@ -204,7 +208,7 @@ def test_a_failed_trace_in_tf_keras_fit_leaves_a_model_that_fits_plainly(failure
     model = _tf_keras_model()
     with monkeypatch.context() as patch_context:
         options = FAILURES[failure](patch_context)
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017  (each injected failure raises its own type)
             with msg.patched("memory", **options):
                 _fit(model)
     history = _fit(model)
@@ -235,7 +239,7 @@ def test_a_failed_first_trace_of_a_custom_step_can_be_traced_again(failure, monk
 
     with monkeypatch.context() as patch_context:
         options = FAILURES[failure](patch_context)
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017  (each injected failure raises its own type)
             with msg.patched("memory", **options):
                 step(x, y)
     assert np.isfinite(step(x, y).numpy())

@@ -18,8 +18,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import profiling
 import test_models
+from memory_saving_gradients import profiling
 
 
 def _executed_types(fetches, feed) -> collections.Counter:
@@ -72,7 +72,7 @@ def test_sibling_gradients_of_two_segments_are_not_fused_into_a_cycle():
 
     @tf.function(input_signature=[tf.TensorSpec([None, 16, 16, 8])])
     def step(x):
-        with tf.GradientTape() as tape:
+        with tf.GradientTape():
             h, convs = x, []
             for f, b in zip(filters, biases):
                 c = tf.nn.conv2d(h, f, 1, "SAME")

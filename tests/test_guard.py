@@ -19,13 +19,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import pytest
 import tensorflow as tf
+from gradient_values import kind
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import checkpointing
-from memory_saving_gradients import rewrite
-from memory_saving_gradients.notices import FallbackWarning, MemorySavingGradientsWarning
+from memory_saving_gradients import checkpointing, rewrite
 from memory_saving_gradients._tensorflow import tf_gradients
-from gradient_values import kind
+from memory_saving_gradients.notices import FallbackWarning, MemorySavingGradientsWarning
 
 N = 6
 
@@ -160,7 +159,6 @@ def test_tape_falls_back_too(monkeypatch):
     """The tape patch goes through gradients(): a fault there falls back the same way."""
     rng = np.random.RandomState(1)
     ws = [tf.Variable(rng.randn(N, N).astype(np.float32) * 0.4) for _ in range(5)]
-    carriers = checkpointing.graph_lib.gradient_carriers
     # only the xs carry gradients: what reaches a kept activation is dropped
     monkeypatch.setattr(checkpointing.graph_lib, "gradient_carriers",
                         lambda region, xs, *a: frozenset(x.ref() for x in xs))

@@ -16,8 +16,8 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+import numpy as np
+import pytest
 
 keras = pytest.importorskip("keras")
 

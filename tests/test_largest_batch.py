@@ -26,13 +26,13 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_unknown_dims import SLACK, _build
 
-import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients import batch as batch_lib  # noqa: E402
-from test_unknown_dims import _build, SLACK  # noqa: E402
+import memory_saving_gradients as msg
+from memory_saving_gradients import batch as batch_lib
 
 MB = 2**20
 #: Within 10% or 2 MB, whichever is larger.
@@ -182,6 +182,7 @@ def _fit_total(keras, model, batch, patched):
 def test_keras_largest_batch():
     keras = pytest.importorskip("keras")
     memory = 128 * MB
+    plain_batch = None
     for checkpoints in (None, "memory"):
         model = _keras_mlp(keras)
         batch = msg.keras.largest_batch(model, memory=memory, checkpoints=checkpoints)

@@ -26,15 +26,15 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import pytest
+import tensorflow as tf
+from gradient_values import control_flow_v1
 
-import memory_saving_gradients as msg  # noqa: E402
-from gradient_values import control_flow_v1  # noqa: E402
+import memory_saving_gradients as msg
 
 try:
-    import keras  # noqa: E402
+    import keras
 except ImportError:  # the Keras tests are skipped; the loop tests still run
     keras = None
 

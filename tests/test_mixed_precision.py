@@ -78,7 +78,7 @@ def test_v1_graph_list_and_automatic_checkpoints(dtype):
         with tf.compat.v1.Session(graph=graph) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             reference_values, result_values = sess.run((reference, results))
-    for name, values in result_values.items():
+    for values in result_values.values():
         _close(values, reference_values, dtype)
 
 

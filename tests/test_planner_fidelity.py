@@ -28,9 +28,9 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import profiling
-from bench import rewrite_time
 import test_models
+from bench import rewrite_time
+from memory_saving_gradients import profiling
 
 MB = 2.0**20
 NO_BN = dict(depth=122, batch=128, image_size=16, batch_norm=False, projections="all")

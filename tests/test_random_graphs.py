@@ -41,11 +41,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np
 import pytest
 import tensorflow as tf
+from gradient_values import dense, kind
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import memory_saving_gradients as msg
-from gradient_values import dense, kind
 from memory_saving_gradients._tensorflow import tf_gradients
 from memory_saving_gradients.notices import FallbackWarning
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import os
-import time
 import tracemalloc
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

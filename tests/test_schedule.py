@@ -20,10 +20,11 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients import reporting, schedule  # noqa: E402
-from gradient_values import control_flow_v1  # noqa: E402
-import test_models  # noqa: E402
+from gradient_values import control_flow_v1
+
+import memory_saving_gradients as msg
+import test_models
+from memory_saving_gradients import reporting, schedule
 
 SIZE = 64
 

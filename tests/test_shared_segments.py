@@ -16,7 +16,8 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import checkpointing, graph as graph_lib, profiling
+from memory_saving_gradients import checkpointing, profiling
+from memory_saving_gradients import graph as graph_lib
 
 
 def _shared_projection(graph):

@@ -5,11 +5,11 @@ would recompute back through the whole residual stream (quadratic).  'speed'
 also keeps branch points; the number of new ops then grows like the graph.
 """
 
+import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
 import test_models
-import pytest
 
 
 def _new_ops(layers):

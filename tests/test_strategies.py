@@ -9,14 +9,14 @@ issue's, the slack stated where a prediction is compared.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import graph as graph_lib, memo, profiling, strategies
 import test_models
+from memory_saving_gradients import graph as graph_lib
+from memory_saving_gradients import memo, profiling, strategies
 
 MB = 2.0**20
 

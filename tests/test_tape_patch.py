@@ -17,12 +17,9 @@ from tensorflow.python.eager import backprop
 from tensorflow.python.ops import gradients_impl
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import memo
-from memory_saving_gradients import strategies
-from memory_saving_gradients import tape as tape_lib
-from memory_saving_gradients import tape_hooks
-
+from memory_saving_gradients import memo, strategies, tape_hooks
 from memory_saving_gradients import patching as patch_lib
+from memory_saving_gradients import tape as tape_lib
 
 DEPTH = 12
 

@@ -19,17 +19,17 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import pytest
+import tensorflow as tf
 
 tf_keras = pytest.importorskip(
     "tf_keras", reason="tf_keras is not installed; ./run_all_tests.sh installs it with "
     "pip install --no-deps 'tf-keras==2.21.*' (its metadata asks for the full tensorflow wheel)")
 
 import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients import profiling  # noqa: E402
 from bench import keras_suite  # noqa: E402
+from memory_saving_gradients import profiling  # noqa: E402
 
 pytestmark = pytest.mark.keras
 

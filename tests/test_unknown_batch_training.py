@@ -18,12 +18,12 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import pytest
+import tensorflow as tf
 
-import memory_saving_gradients as msg  # noqa: E402
-from memory_saving_gradients import profiling  # noqa: E402
+import memory_saving_gradients as msg
+from memory_saving_gradients import profiling
 
 pytestmark = [pytest.mark.keras, pytest.mark.memory]
 

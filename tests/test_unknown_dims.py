@@ -11,15 +11,13 @@ the plan made with B stated (``batch_size=B``), measured on the same graph
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
 import test_models
-from memory_saving_gradients import checkpointing
-from memory_saving_gradients import memo
+from memory_saving_gradients import checkpointing, memo
 
 MODELS = {
     "resnet": dict(depth=20),

@@ -14,11 +14,11 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import pytest
+import tensorflow as tf
 
-import memory_saving_gradients as msg  # noqa: E402
+import memory_saving_gradients as msg
 
 WIDTH, DEPTH, BATCH = 32, 6, 256
 

@@ -364,9 +364,9 @@ def test_keras_fit_with_jit_compile(xla_memory, how):
 
 
 def _child_jit() -> dict:
+    import test_models
     from bench import core as bench_core
     from bench import xla as bench_xla
-    import test_models
 
     dump = bench_xla.XlaDump()
     out = {}
@@ -502,6 +502,7 @@ def _child_auto() -> dict:
 def _keras(dump) -> dict:
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
     import keras
+
     import memory_saving_gradients.keras as msg_keras
 
     rng = np.random.RandomState(0)
