@@ -106,6 +106,9 @@ if [ "$fast" -eq 1 ]; then
 else
     selection=(--durations=25)
 fi
+# Lint first (pyproject.toml's [tool.ruff]): a finding fails the run, after the tests.
+echo "run_all_tests: ruff check ."
+"$PY" -m ruff check . || status=$?
 "$PY" -m pytest -q tests "${selection[@]}" "$@" || status=$?
 summary="$(printf '%s; ' "${optional[@]}")"
 echo "run_all_tests: optional parts: ${summary%; }"
