@@ -98,6 +98,9 @@ tf_gradients_v2 = _gradients_impl.gradients_v2
 
 # -- ops and graphs (read only) ----------------------------------------------------
 
+#: The class of v1 control-flow (``while_loop``, ``cond``) and XLA contexts.
+ControlFlowContext = _control_flow_ops.ControlFlowContext
+
 
 def op_id(op: tf.Operation) -> int:
     """An op's creation id (``Operation._id``): unique in its graph, increasing."""
@@ -120,12 +123,12 @@ def last_op_id(graph: tf.Graph) -> int:
     return op_id(ops[-1]) if ops else 0
 
 
-def control_flow_context(op: tf.Operation):
+def control_flow_context(op: tf.Operation) -> ControlFlowContext | None:
     """The innermost v1 control-flow (or XLA) context ``op`` was made in, or None."""
     return op._control_flow_context
 
 
-def graph_control_flow_context(graph: tf.Graph):
+def graph_control_flow_context(graph: tf.Graph) -> ControlFlowContext | None:
     """The control-flow context ops made in ``graph`` now would get, or None."""
     return graph._get_control_flow_context()
 

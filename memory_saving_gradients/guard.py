@@ -51,9 +51,9 @@ def guarded_gradients(
     graph: tf.Graph,
     ys: Sequence[tf.Tensor],
     xs: Sequence[tf.Tensor],
-    grad_ys: Sequence,
+    grad_ys: Sequence[tf.Tensor | None],
     stops: Sequence[tf.Tensor],
-    unconnected,
+    unconnected: tf.UnconnectedGradients | str,
 ) -> list:
     """``build()``'s gradients if their structure is ``tf.gradients``', else ``fallback()``'s.
 
@@ -108,7 +108,15 @@ def _warn(reason: str) -> None:
     warnings.warn(message, FallbackWarning, stacklevel=5)
 
 
-def find_difference(ys, xs, grad_ys, stops, unconnected, results, calls: dict) -> str | None:
+def find_difference(
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    grad_ys: Sequence[tf.Tensor | None],
+    stops: Sequence[tf.Tensor],
+    unconnected: tf.UnconnectedGradients | str,
+    results: Sequence[rewrite.Gradient],
+    calls: dict,
+) -> str | None:
     """How the rewrite's gradients (``results``, built with gradient function runs
     ``calls``) differ in structure from what ``tf.gradients`` gives, or None."""
     walk = _Walk(ys, xs, grad_ys, stops, calls)
