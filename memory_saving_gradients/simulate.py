@@ -243,7 +243,7 @@ def op_flops(op: tf.Operation, shape: Callable[[tf.Tensor], list | None] = _stat
 BYTE_COST = 4.0
 
 
-def op_cost(op: tf.Operation, size=graph_lib.tensor_bytes) -> float:
+def op_cost(op: tf.Operation, size: Callable[[tf.Tensor], int] = graph_lib.tensor_bytes) -> float:
     """Modelled time of one op, in flops: its arithmetic plus its memory traffic.
 
     Recomputation is priced with this, so that a plan that recomputes many
@@ -405,7 +405,7 @@ def _backward_memo(size: Sizer, region, xs_refs) -> dict:
 
 
 def predict_baseline(
-    region,
+    region: graph_lib.ForwardRegion,
     ys: Sequence[tf.Tensor],
     xs: Sequence[tf.Tensor],
     unknown_dim: int = 1,
@@ -433,7 +433,7 @@ def predict_baseline(
 
 
 def predict_checkpointed(
-    region,
+    region: graph_lib.ForwardRegion,
     ys: Sequence[tf.Tensor],
     xs: Sequence[tf.Tensor],
     checkpoints: Sequence[tf.Tensor],
