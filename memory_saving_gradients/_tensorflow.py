@@ -1,6 +1,6 @@
 """The one door to TensorFlow's internals: the import check and every private symbol.
 
-Layer: bottom (imports TensorFlow and :mod:`.notices` only).
+Layer: foundation (the one shim for TensorFlow's internals); imports: notices.
 
 TensorFlow is the user's own build (``tensorflow``, ``tensorflow-cpu``, a
 nightly, ...), so it is not a hard requirement of the package; this module

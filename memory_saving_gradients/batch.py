@@ -1,5 +1,8 @@
 """The batch as a variable: predicted peaks at any batch size, and the largest batch that fits.
 
+Layer: analysis (read-only); imports: simulate (graph, schedule, _tensorflow for type
+hints only).
+
 A graph traced with an unknown batch dimension (``None``: ``tf.data`` without
 ``drop_remainder``, ``input_signature=[tf.TensorSpec([None, ...])]``, v1
 placeholders) has no single size.  The memory model (:mod:`.simulate`) is

@@ -1,5 +1,7 @@
 """Choosing cuts under a memory budget: dynamic programming along the cuts.
 
+Layer: foundation (pure numbers, no TensorFlow); imports nothing of the library.
+
 The forward pass is cut at some of the candidate cuts of :func:`cuts.live_cuts`;
 what lies between two chosen cuts is a segment.  When the backward pass
 reaches a segment, memory holds the tensors of every chosen cut before it
@@ -268,7 +270,7 @@ def _minimax_peak(problem: CutProblem, quantum: float, levels: int,
 #: the budget rises by this factor at a time (4% steps) until one is feasible.
 FLOOR_RISE = 1.04
 #: The bisection below the first feasible budget goes down to this fraction of the
-#: estimate: the minimax program rounds up, so far lower budgets were never
+#: estimate: the minimax program rounds up, so far lower budgets are not
 #: feasible on the benchmark models.
 FLOOR_LOWEST = 0.9
 

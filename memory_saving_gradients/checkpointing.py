@@ -1,5 +1,9 @@
 """``gradients()``: the checkpointed backward pass.
 
+Layer: transform (one gradients() call end to end); imports: batch, graph, guard, memo,
+notices, planning, recovery, reporting, rewrite, schedule, simulate, strategies,
+_nesting, _tensorflow, _units.
+
 Data flows one way: arguments are checked, the forward region between
 ``xs`` and ``ys`` is found (:mod:`.graph`), checkpoints are chosen (a list or
 a strategy from :mod:`.strategies`), and the backward pass is built step

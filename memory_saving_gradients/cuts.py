@@ -1,5 +1,7 @@
 """Where the forward pass can be cut: live sets along a topological order.
 
+Layer: analysis (read-only); imports: graph (_tensorflow for type hints only).
+
 Pure analysis, one sweep over the region's ops (linear in ops + edges): the
 candidates that :mod:`.budget` chooses from.
 """

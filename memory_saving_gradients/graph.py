@@ -1,5 +1,7 @@
 """Read-only analysis of the forward graph.
 
+Layer: analysis (read-only); imports: ops, _tensorflow.
+
 Everything here is a pure function of existing ops and tensors: nothing is
 created or changed.  Walks are linear in ops + edges.  Graph tensors are
 unhashable inside a ``tf.function``, so sets and dicts of tensors are keyed by

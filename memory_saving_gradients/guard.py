@@ -1,5 +1,7 @@
 """The guard: ``gradients()`` never returns a structure ``tf.gradients`` would not.
 
+Layer: transform; imports: graph, notices, ops, rewrite, _tensorflow.
+
 While the rewrite builds the backward pass, :func:`rewrite.observed_gradient_calls`
 notes which ops' gradient functions TensorFlow ran and with what kinds of
 gradients (none, ``IndexedSlices``, dense).  Afterwards one walk over the ops

@@ -1,5 +1,8 @@
 """Keras: ``model.fit`` with memory-saving gradients, for Keras 3 and tf_keras models.
 
+Layer: entry points; imports: notices, reporting, tape, tape_hooks, _tensorflow,
+checkpointing (when called) (planning for type hints only).
+
 ``enable(model, checkpoints='memory', **options)`` wraps the model's own
 ``train_step`` (Keras' built-in one, or yours if the model's class overrides
 it) so that, while it is traced, every ``tf.GradientTape`` in it

@@ -1,5 +1,8 @@
 """Plans remembered by the structure of the graph they were made for.
 
+Layer: analysis (read-only); imports: graph, _tensorflow (planning, schedule for type
+hints only).
+
 Keras and ``tf.function`` trace the same step again and again (a second
 ``fit``, a new ``train_function``, a retrace for another input signature
 that happens to give the same shapes).  Each trace is a new graph, but the

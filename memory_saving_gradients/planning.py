@@ -1,4 +1,8 @@
-"""``plan()``: what ``gradients()`` would keep and what it would cost, without changing the graph."""
+"""``plan()``: what ``gradients()`` would keep and what it would cost, without changing the graph.
+
+Layer: analysis (read-only); imports: batch, graph, schedule, simulate, _gc (_tensorflow
+for type hints only).
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """Measured peak memory: of a TF2 step (eager, ``tf.function``, Keras ``fit``), or of
 a traced ``tf.compat.v1`` ``Session.run``.
 
+Layer: analysis (measures; changes no graph); imports: _tensorflow.
+
 TF2: :func:`peak_memory_during` resets the device allocator's statistics
 (``tf.config.experimental.reset_memory_stats``), runs your code, and returns
 the allocator's peak above the bytes it held when the code started

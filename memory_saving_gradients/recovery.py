@@ -1,5 +1,8 @@
 """Leaving nothing behind when building a backward pass fails while a function is traced.
 
+Layer: mutation (tf.function and Keras Python objects after a failed trace); imports:
+_tensorflow.
+
 A ``tf.function`` whose first trace raises keeps the state of that trace:
 the next call is treated as a later call, and a step that creates
 variables then (an optimizer's slots, on its first ``apply_gradients``)

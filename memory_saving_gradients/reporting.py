@@ -1,5 +1,8 @@
 """What the entry points did: one INFO line per rewrite, and a record of the plans.
 
+Layer: transform; imports: notices, recovery, _units (planning, schedule, _tensorflow
+for type hints only).
+
 A :class:`Record` belongs to one entry point (a ``patch()``, a model's
 ``keras.enable``, a ``GradientTape``).  While the entry point's gradients
 run, :func:`recording` makes it current; :func:`~.checkpointing.gradients`

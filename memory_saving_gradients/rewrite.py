@@ -1,5 +1,8 @@
 """The only module that creates or changes TensorFlow graph structure.
 
+Layer: mutation (the only code that changes TensorFlow graphs); imports: graph, ops,
+_tensorflow.
+
 It copies ops, adds control inputs to ops it created, and builds the small
 ops the backward pass needs (default ``grad_ys``, gradient sums).  It reaches
 TensorFlow's private graph API through :mod:`._tensorflow` only, and it is the
@@ -295,7 +298,7 @@ def proxies(
     tensors: Sequence[tf.Tensor],
     name_scope: str,
     control_inputs: Sequence[tf.Operation] = (),
-    data_after: Sequence = (),
+    data_after: Sequence[tf.Tensor | tf.IndexedSlices] = (),
 ) -> dict:
     """An identity of each tensor, keyed by the original's ``ref()``, waiting for ``control_inputs``.
 
@@ -313,7 +316,8 @@ def proxies(
     where the zero is computed from one element of the first of these
     gradients in a way XLA cannot fold, so the copies can neither run before
     that gradient nor be merged with the forward pass.  Other dtypes keep a
-    plain identity.  Without ``data_after`` the graph is as it always was.
+    plain identity.  Without ``data_after`` every proxy is a plain identity, ordered by
+    its control inputs only.
     """
     if not tensors:
         return {}

@@ -1,5 +1,7 @@
 """Static memory model: the predicted peak of a backward pass, before anything runs.
 
+Layer: analysis (read-only); imports: graph, ops, schedule, _tensorflow.
+
 The model replays the step as TensorFlow's executor would run it one op at a
 time: the forward pass in topological order, then (plain ``tf.gradients``)
 every op's gradient in reverse order, or (checkpointed) each segment's

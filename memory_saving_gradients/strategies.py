@@ -1,5 +1,8 @@
 """Checkpoint selection policies.
 
+Layer: analysis (read-only); imports: batch, budget, cuts, graph, ops, simulate, _gc,
+_tensorflow, _units.
+
 A strategy is a pure function ``(ys, xs, region, **options) -> list of tensors``
 that reads the forward graph and returns the tensors to keep.  It never
 changes the graph: the rewrite is done elsewhere, from whatever a strategy

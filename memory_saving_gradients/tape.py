@@ -1,5 +1,8 @@
 """Checkpointed ``GradientTape.gradient`` inside ``tf.function``.
 
+Layer: entry points; imports: checkpointing, graph, notices, recovery, reporting,
+_nesting, _tensorflow.
+
 Inside a ``tf.function`` the operations a tape saw are ops of the function
 graph, so ``gradient()`` can build the backward pass with
 :func:`~memory_saving_gradients.gradients` on that graph instead of replaying
