@@ -1,5 +1,8 @@
 """Gradient checkpointing for TensorFlow 2 graphs: a drop-in for ``tf.gradients``.
 
+Layer: entry points (the public API); imports: checkpointing, keras, notices, patching,
+planning, profiling, strategies, tape, _tensorflow.
+
 ``gradients(ys, xs, checkpoints=...)`` keeps only the chosen activations of
 the forward pass and recomputes the rest, segment by segment, just before the
 backward pass needs them.

@@ -1,5 +1,7 @@
 """Pausing Python's cyclic garbage collector around allocation-heavy analysis.
 
+Layer: foundation; imports nothing of the library.
+
 Planning allocates many small, short-lived objects (lists, tuples, dicts)
 while TensorFlow keeps a large graph of Python objects alive; each automatic
 collection then walks that graph.  On a 14.5k-op ResNet, collections took

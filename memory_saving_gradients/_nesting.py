@@ -1,4 +1,7 @@
-"""A per-thread nesting counter: ``with counter: ...`` marks the thread as inside."""
+"""A per-thread nesting counter: ``with counter: ...`` marks the thread as inside.
+
+Layer: foundation; imports nothing of the library.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The one door to TensorFlow's internals: the import check and every private symbol.
 
-Layer: bottom (imports TensorFlow and :mod:`.notices` only).
+Layer: foundation (the one shim for TensorFlow's internals); imports: notices.
 
 TensorFlow is the user's own build (``tensorflow``, ``tensorflow-cpu``, a
 nightly, ...), so it is not a hard requirement of the package; this module
@@ -98,6 +98,9 @@ tf_gradients_v2 = _gradients_impl.gradients_v2
 
 # -- ops and graphs (read only) ----------------------------------------------------
 
+#: The class of v1 control-flow (``while_loop``, ``cond``) and XLA contexts.
+ControlFlowContext = _control_flow_ops.ControlFlowContext
+
 
 def op_id(op: tf.Operation) -> int:
     """An op's creation id (``Operation._id``): unique in its graph, increasing."""
@@ -120,12 +123,12 @@ def last_op_id(graph: tf.Graph) -> int:
     return op_id(ops[-1]) if ops else 0
 
 
-def control_flow_context(op: tf.Operation):
+def control_flow_context(op: tf.Operation) -> ControlFlowContext | None:
     """The innermost v1 control-flow (or XLA) context ``op`` was made in, or None."""
     return op._control_flow_context
 
 
-def graph_control_flow_context(graph: tf.Graph):
+def graph_control_flow_context(graph: tf.Graph) -> ControlFlowContext | None:
     """The control-flow context ops made in ``graph`` now would get, or None."""
     return graph._get_control_flow_context()
 

@@ -1,4 +1,7 @@
-"""Units of memory for the figures the library and the benchmark print."""
+"""Units of memory for the figures the library and the benchmark print.
+
+Layer: foundation; imports nothing.
+"""
 
 #: Bytes in a mebibyte (2**20).  Every figure printed as "MB" by the library and
 #: by ``bench/`` is in this binary unit; no decimal megabyte (10**6) is used.

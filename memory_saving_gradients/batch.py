@@ -1,5 +1,8 @@
 """The batch as a variable: predicted peaks at any batch size, and the largest batch that fits.
 
+Layer: analysis (read-only); imports: simulate (graph, schedule, _tensorflow for type
+hints only).
+
 A graph traced with an unknown batch dimension (``None``: ``tf.data`` without
 ``drop_remainder``, ``input_signature=[tf.TensorSpec([None, ...])]``, v1
 placeholders) has no single size.  The memory model (:mod:`.simulate`) is
@@ -13,9 +16,14 @@ memory is found by a search over integers.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import simulate
+
+if TYPE_CHECKING:
+    from ._tensorflow import tf
+    from .graph import ForwardRegion
+    from .schedule import Schedule
 
 #: The batch sizes a plan for an unknown batch is judged at (``strategies``): from
 #: a small batch, where weights outweigh activations, to a large one, where the
@@ -40,8 +48,9 @@ class PeakModel:
     when already worked out (it is the same at every batch).
     """
 
-    def __init__(self, region, ys: Sequence, xs: Sequence, checkpoints: Sequence,
-                 fetched: bool = True, stops: Sequence = (), schedule=None):
+    def __init__(self, region: ForwardRegion, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
+                 checkpoints: Sequence[tf.Tensor], fetched: bool = True,
+                 stops: Sequence[tf.Tensor] = (), schedule: Schedule | None = None):
         self.region, self.ys, self.xs = region, list(ys), list(xs)
         self.checkpoints = list(checkpoints)
         self.fetched = fetched

@@ -1,5 +1,7 @@
 """Choosing cuts under a memory budget: dynamic programming along the cuts.
 
+Layer: foundation (pure numbers, no TensorFlow); imports nothing of the library.
+
 The forward pass is cut at some of the candidate cuts of :func:`cuts.live_cuts`;
 what lies between two chosen cuts is a segment.  When the backward pass
 reaches a segment, memory holds the tensors of every chosen cut before it
@@ -20,9 +22,30 @@ feasible.  Pure functions of numbers: no TensorFlow here.
 from __future__ import annotations
 
 import math
+from typing import Protocol, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+
+class CutNumbers(Protocol):
+    """What :class:`CutProblem` reads of ``cuts.Cuts`` (by attribute, so that this
+    module needs nothing of the graph layer)."""
+
+    @property
+    def positions(self) -> Sequence[int]: ...
+    @property
+    def new_bytes(self) -> Sequence[Sequence[tuple[int, float]]]: ...
+    @property
+    def output_bytes(self) -> Sequence[float]: ...
+    @property
+    def held_bytes(self) -> Sequence[float]: ...
+    @property
+    def work(self) -> Sequence[float]: ...
+    @property
+    def largest(self) -> Sequence[float]: ...
+    @property
+    def pruned(self) -> Sequence[Sequence[tuple[int, float, float, float]]]: ...
 
 
 def _suffix_sums(values: np.ndarray) -> np.ndarray:
@@ -54,7 +77,7 @@ class CutProblem:
     proposes different plans.
     """
 
-    def __init__(self, cuts, fixed_bytes: int = 0, held_only: bool = False):
+    def __init__(self, cuts: CutNumbers, fixed_bytes: int = 0, held_only: bool = False):
         last = len(cuts.output_bytes) - 1
         self.positions = np.array([-1] + list(cuts.positions) + [last], dtype=np.int64)
         # prefix sums shifted by one, so that index p + 1 covers positions <= p
@@ -144,7 +167,8 @@ def _level_table(rows: int, levels: int) -> tuple:
     return padded[:, width:], sliding_window_view(padded, width, axis=1)
 
 
-def least_recompute(problem: CutProblem, budget: float, levels: int = 120):
+def least_recompute(problem: CutProblem, budget: float,
+                    levels: int = 120) -> tuple[list[int], float] | None:
     """Indices of the chosen cuts (1..n) with least recomputation within ``budget``.
 
     Returns ``(cuts, recompute_work)``, or None when no choice fits.
@@ -246,7 +270,7 @@ def _minimax_peak(problem: CutProblem, quantum: float, levels: int,
 #: the budget rises by this factor at a time (4% steps) until one is feasible.
 FLOOR_RISE = 1.04
 #: The bisection below the first feasible budget goes down to this fraction of the
-#: estimate: the minimax program rounds up, so far lower budgets were never
+#: estimate: the minimax program rounds up, so far lower budgets are not
 #: feasible on the benchmark models.
 FLOOR_LOWEST = 0.9
 

@@ -1,5 +1,9 @@
 """``gradients()``: the checkpointed backward pass.
 
+Layer: transform (one gradients() call end to end); imports: batch, graph, guard, memo,
+notices, planning, recovery, reporting, rewrite, schedule, simulate, strategies,
+_nesting, _tensorflow, _units.
+
 Data flows one way: arguments are checked, the forward region between
 ``xs`` and ``ys`` is found (:mod:`.graph`), checkpoints are chosen (a list or
 a strategy from :mod:`.strategies`), and the backward pass is built step
@@ -19,7 +23,7 @@ import inspect
 import logging
 import numbers
 import warnings
-from typing import Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import batch as batch_lib
 from . import graph as graph_lib
@@ -28,11 +32,18 @@ from . import schedule as schedule_lib
 from ._nesting import Nesting
 from ._tensorflow import gpu_visible, onednn_enabled, tf, tf_gradients
 from ._tensorflow import is_resource_variable as _is_resource_variable
+from ._units import MIB
 
 logger = logging.getLogger("memory_saving_gradients")
 
 TensorOrList = Union[tf.Tensor, Sequence[tf.Tensor]]
 Checkpoints = Union[str, Sequence[tf.Tensor]]
+#: What ``xs`` may be: tensors or variables (``tf.Variable``, and the variables
+#: ``tf.gradients`` takes through their tensor conversion: Keras 3 and tf_keras
+#: variables, ``AutoCastVariable``, distributed variables), one or a sequence.
+Sources = Union[tf.Tensor, tf.Variable, Sequence[Union[tf.Tensor, tf.Variable]]]
+#: What ``grad_ys`` may be: one tensor, or one (or None) per y.
+GradYs = Optional[Union[tf.Tensor, Sequence[Optional[tf.Tensor]]]]
 
 #: Size assumed for an unknown dimension (a batch of ``None``) when planning,
 #: unless ``batch_size=`` states it.
@@ -52,15 +63,15 @@ def building_gradients() -> bool:
 @tf.autograph.experimental.do_not_convert
 def gradients(
     ys: TensorOrList,
-    xs,
-    grad_ys=None,
+    xs: Sources,
+    grad_ys: GradYs = None,
     checkpoints: Checkpoints = "collection",
     name: str = "gradients",
     colocate_gradients_with_ops: bool = False,
     gate_gradients: bool = False,
-    aggregation_method=None,
-    stop_gradients=None,
-    unconnected_gradients=tf.UnconnectedGradients.NONE,
+    aggregation_method: int | None = None,
+    stop_gradients: TensorOrList | None = None,
+    unconnected_gradients: tf.UnconnectedGradients | str = tf.UnconnectedGradients.NONE,
     memory_budget: int | None = None,
     batch_size: int | None = None,
 ) -> list:
@@ -152,12 +163,12 @@ def _gradients(
 @tf.autograph.experimental.do_not_convert  # as gradients(): called from tf.function bodies
 def plan(
     ys: TensorOrList,
-    xs,
+    xs: Sources,
     checkpoints: Checkpoints = "memory",
     memory_budget: int | None = None,
-    grad_ys=None,
+    grad_ys: GradYs = None,
     batch_size: int | None = None,
-    stop_gradients=None,
+    stop_gradients: TensorOrList | None = None,
 ) -> planning.Plan:
     """What ``gradients(ys, xs, grad_ys, checkpoints, memory_budget=..., batch_size=...,
     stop_gradients=...)`` would do.
@@ -261,7 +272,7 @@ def _memo_key(checkpoints, memory_budget, planning_dim, region, ys, xs):
 _NOT_OPTIONS = ("ys", "xs", "grad_ys", "checkpoints")
 
 
-def check_arguments(checkpoints, options: dict, passed_by_caller: Sequence[str] = ()) -> None:
+def check_arguments(checkpoints: Checkpoints, options: dict, passed_by_caller: Sequence[str] = ()) -> None:
     """Raise what :func:`gradients` would for this strategy and these options.
 
     Every entry point that calls :func:`gradients` later (``patch()``,
@@ -352,22 +363,30 @@ def _prepare(ys, xs) -> _Problem:
 _GRADIENTS_SIGNATURE = inspect.signature(gradients)
 
 
-def gradients_collection(ys, xs, grad_ys=None, **kwargs) -> list:
+def gradients_collection(ys: TensorOrList, xs: Sources, grad_ys: GradYs = None, **kwargs: Any) -> list:
     """``gradients`` with the tensors of the collection ``'checkpoints'``."""
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
 
 
-def gradients_memory(ys, xs, grad_ys=None, **kwargs) -> list:
+def gradients_memory(ys: TensorOrList, xs: Sources, grad_ys: GradYs = None, **kwargs: Any) -> list:
     """``gradients`` with ``checkpoints='memory'``: bottlenecks chosen for the least peak."""
     return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
 
 
-def gradients_speed(ys, xs, grad_ys=None, **kwargs) -> list:
+def gradients_speed(ys: TensorOrList, xs: Sources, grad_ys: GradYs = None, **kwargs: Any) -> list:
     """``gradients`` with ``checkpoints='speed'``: keep convolution and matmul outputs."""
     return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
 
 
-def choose_checkpoints(checkpoints, ys, xs, region, graph, memory_budget=None, batch_size=None):
+def choose_checkpoints(
+    checkpoints: Checkpoints,
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    region: graph_lib.ForwardRegion,
+    graph: tf.Graph,
+    memory_budget: float | None = None,
+    batch_size: int | None = None,
+) -> list[tf.Tensor] | None:
     """Checked, usable checkpoint tensors, or None to fall back to ``tf.gradients``.
 
     Drops xs, ys and tensors not between them.  An explicit list that keeps
@@ -440,7 +459,8 @@ def _planning_dim(batch_size, unknown: str):
 _budget_batches: dict = {}  # (fingerprint, budget) -> batch
 
 
-def budget_batch(ys, xs, region, memory_budget, unknown: str) -> tuple:
+def budget_batch(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: graph_lib.ForwardRegion,
+                 memory_budget: float, unknown: str) -> tuple[int, list[tf.Tensor]]:
     """``(batch, checkpoints)``: the largest batch at which ``memory_budget`` can be met,
     and the plan for every batch (``'memory'`` without a budget) that meets it there.
 
@@ -461,9 +481,9 @@ def budget_batch(ys, xs, region, memory_budget, unknown: str) -> tuple:
     if batch < 1:
         least = batch_lib.PeakModel(region, ys, xs, any_batch).peak_at(1)
         raise ValueError(
-            f"memory_budget={memory_budget / 2**20:.1f} MB cannot be met at any batch size: "
+            f"memory_budget={memory_budget / MIB:.1f} MB cannot be met at any batch size: "
             f"this graph's batch is unknown ({unknown}), and at batch 1 the least peak the "
-            f"memory model finds is {least / 2**20:.1f} MB. Raise the budget, or pass "
+            f"memory model finds is {least / MIB:.1f} MB. Raise the budget, or pass "
             "batch_size=N to plan for the batch you feed."
         )
     return batch, any_batch
@@ -489,14 +509,14 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
         why = f"it keeps {what}, and none of them lies between xs and ys"
     elif plain_fits:
         why = (f"plain tf.gradients' predicted peak fits memory_budget="
-               f"{memory_budget / 2**20:.2f} MB, so nothing needs recomputing")
+               f"{memory_budget / MIB:.2f} MB, so nothing needs recomputing")
     else:
         any_batch = unknown_dim is None
         at = batch_lib.PLANNING_BATCHES[-1] if any_batch else unknown_dim
         baseline = simulate.predict_baseline(region, ys, xs, at, fetched=False)
         why = (
             "the memory model predicts no set of checkpoints with a lower peak than "
-            f"plain tf.gradients' {baseline.peak_bytes / 2**20:.2f} MB on this graph "
+            f"plain tf.gradients' {baseline.peak_bytes / MIB:.2f} MB on this graph "
             f"({len(region.ops)} ops between xs and ys; {_why_nothing_helps(region)})"
         )
         if unknown and any_batch:
@@ -526,7 +546,8 @@ def _why_nothing_helps(region) -> str:
     return "its activations are small next to what the backward pass must hold anyway"
 
 
-def usable_checkpoints(candidates, ys, xs, region) -> list:
+def usable_checkpoints(candidates: Iterable[tf.Tensor], ys: Sequence[tf.Tensor],
+                       xs: Sequence[tf.Tensor], region: graph_lib.ForwardRegion) -> list[tf.Tensor]:
     """Candidates between xs and ys that are neither, deduplicated, in topological order."""
     excluded = {t.ref() for t in list(ys) + list(xs)}
     usable: dict = {}

@@ -1,5 +1,7 @@
 """Where the forward pass can be cut: live sets along a topological order.
 
+Layer: analysis (read-only); imports: graph (_tensorflow for type hints only).
+
 Pure analysis, one sweep over the region's ops (linear in ops + edges): the
 candidates that :mod:`.budget` chooses from.
 """
@@ -9,9 +11,12 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Callable, Collection, NamedTuple
 
-from .graph import ForwardRegion, gradient_reads, gradient_reads_output_of, tensor_order
+from .graph import ForwardRegion, NeedsGradient, gradient_reads, gradient_reads_output_of, tensor_order
+
+if TYPE_CHECKING:
+    from ._tensorflow import tf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +80,9 @@ class _LiveSet(NamedTuple):
     tensors: tuple
 
 
-def live_cuts(region: ForwardRegion, size, cost, alias_types=frozenset(),
-              max_cuts: int = 300, needs_gradient=lambda tensor: True) -> Cuts:
+def live_cuts(region: ForwardRegion, size: Callable[[tf.Tensor], int],
+              cost: Callable[[tf.Operation], float], alias_types: Collection[str] = frozenset(),
+              max_cuts: int = 300, needs_gradient: NeedsGradient = lambda tensor: True) -> Cuts:
     """The cuts of the region, in one sweep over its ops (linear in ops + edges).
 
     Consecutive positions whose live sets differ only in tensors of no bytes of

@@ -1,5 +1,7 @@
 """Read-only analysis of the forward graph.
 
+Layer: analysis (read-only); imports: ops, _tensorflow.
+
 Everything here is a pure function of existing ops and tensors: nothing is
 created or changed.  Walks are linear in ops + edges.  Graph tensors are
 unhashable inside a ``tf.function``, so sets and dicts of tensors are keyed by
@@ -18,11 +20,14 @@ import dataclasses
 import functools
 import heapq
 import os
-from typing import Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 from . import _tensorflow as _tf_internals
 from . import ops as op_types
 from ._tensorflow import tf
+
+#: ``needs_gradient(tensor)``: whether a gradient for ``tensor`` is wanted.
+NeedsGradient = Callable[[tf.Tensor], bool]
 
 #: :data:`.ops.CONTROL_FLOW` (the name other modules read).
 CONTROL_FLOW_OP_TYPES = op_types.CONTROL_FLOW
@@ -62,7 +67,7 @@ def reads_a_variable(t: tf.Tensor) -> bool:
         t.op.inputs[0].op.type in op_types.REF_VARIABLES)
 
 
-def value_root(t: tf.Tensor):
+def value_root(t: tf.Tensor) -> Hashable:
     """``ref()`` of the tensor whose value ``t`` forwards unchanged (``t`` itself when its
     op computes something): two tensors with the same root are one value once grappler
     has removed the forwarding ops between them."""
@@ -114,7 +119,7 @@ def auto_clustering_requested(tf_xla_flags: str, jit_setting: str, gpu_visible: 
     return auto and (gpu_visible or cpu)
 
 
-def v1_control_flow_context(op: tf.Operation):
+def v1_control_flow_context(op: tf.Operation) -> _tf_internals.ControlFlowContext | None:
     """The outermost v1 ``while_loop``/``cond`` context ``op`` is in, or None.
 
     XLA contexts are skipped: they are no control flow, but a
@@ -155,7 +160,7 @@ def is_recomputable(op: tf.Operation) -> bool:
     return bool(op.inputs)
 
 
-def gradient_reads(op: tf.Operation, needs_gradient=lambda tensor: True) -> tuple:
+def gradient_reads(op: tf.Operation, needs_gradient: NeedsGradient = lambda tensor: True) -> tuple:
     """(inputs, outputs) of ``op`` that its gradient reads, by op type.
 
     ``needs_gradient(tensor)`` says whether an input's gradient is wanted;
@@ -180,7 +185,7 @@ def gradient_reads(op: tf.Operation, needs_gradient=lambda tensor: True) -> tupl
 
 
 def gradient_reads_output_of(op: tf.Operation, consumer: tf.Operation,
-                             needs_gradient=lambda tensor: True) -> bool:
+                             needs_gradient: NeedsGradient = lambda tensor: True) -> bool:
     """Whether ``consumer``'s gradient reads an output of ``op`` (its values, or a shape
     that is not static: TensorFlow then reads it at run time); ``needs_gradient`` as
     for :func:`gradient_reads`."""
@@ -191,7 +196,7 @@ def gradient_reads_output_of(op: tf.Operation, consumer: tf.Operation,
     )
 
 
-def copies_that_run(ops: Sequence[tf.Operation], needs_gradient=lambda tensor: True) -> set:
+def copies_that_run(ops: Sequence[tf.Operation], needs_gradient: NeedsGradient = lambda tensor: True) -> set:
     """The ops of a recomputed segment whose copies actually run.
 
     A copy runs when a gradient in the segment reads its outputs, or when it
@@ -243,7 +248,7 @@ def blocks_gradients(op: tf.Operation) -> bool:
         return False
 
 
-def reached_by_tf_gradients(xs: Sequence[tf.Tensor], region=None) -> set:
+def reached_by_tf_gradients(xs: Sequence[tf.Tensor], region: ForwardRegion | None = None) -> set:
     """The ops ``tf.gradients``' walk reaches from the ops of ``xs``: it follows the
     tensors that carry gradients (:func:`carries_gradient`) to their consumers (those
     in ``region`` only, when given)."""
@@ -342,7 +347,9 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardR
     return ForwardRegion(frozenset(region), tuple(sorted(region, key=op_order)))
 
 
-def gradient_carriers(region: ForwardRegion, xs: Sequence[tf.Tensor], blocks, trainable) -> frozenset:
+def gradient_carriers(region: ForwardRegion, xs: Sequence[tf.Tensor],
+                      blocks: Callable[[tf.Operation], bool],
+                      trainable: Callable[[tf.Tensor], bool]) -> frozenset:
     """Refs of the tensors (``xs`` and region outputs) whose gradient can reach some x.
 
     A gradient flows back through an op unless ``blocks(op)`` (its registered
@@ -467,7 +474,7 @@ class DisjointSets:
     def __init__(self):
         self._parent: dict = {}
 
-    def find(self, item):
+    def find(self, item: Hashable) -> Hashable:
         """The representative of ``item``'s set."""
         parent = self._parent
         while parent.setdefault(item, item) is not item:
@@ -475,7 +482,7 @@ class DisjointSets:
             item = parent[item]
         return item
 
-    def union(self, a, b) -> None:
+    def union(self, a: Hashable, b: Hashable) -> None:
         """Join the sets of ``a`` and ``b``."""
         self._parent[self.find(a)] = self.find(b)
 

@@ -1,5 +1,7 @@
 """The guard: ``gradients()`` never returns a structure ``tf.gradients`` would not.
 
+Layer: transform; imports: graph, notices, ops, rewrite, _tensorflow.
+
 While the rewrite builds the backward pass, :func:`rewrite.observed_gradient_calls`
 notes which ops' gradient functions TensorFlow ran and with what kinds of
 gradients (none, ``IndexedSlices``, dense).  Afterwards one walk over the ops
@@ -51,9 +53,9 @@ def guarded_gradients(
     graph: tf.Graph,
     ys: Sequence[tf.Tensor],
     xs: Sequence[tf.Tensor],
-    grad_ys: Sequence,
+    grad_ys: Sequence[tf.Tensor | None],
     stops: Sequence[tf.Tensor],
-    unconnected,
+    unconnected: tf.UnconnectedGradients | str,
 ) -> list:
     """``build()``'s gradients if their structure is ``tf.gradients``', else ``fallback()``'s.
 
@@ -108,7 +110,15 @@ def _warn(reason: str) -> None:
     warnings.warn(message, FallbackWarning, stacklevel=5)
 
 
-def find_difference(ys, xs, grad_ys, stops, unconnected, results, calls: dict) -> str | None:
+def find_difference(
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    grad_ys: Sequence[tf.Tensor | None],
+    stops: Sequence[tf.Tensor],
+    unconnected: tf.UnconnectedGradients | str,
+    results: Sequence[rewrite.Gradient],
+    calls: dict,
+) -> str | None:
     """How the rewrite's gradients (``results``, built with gradient function runs
     ``calls``) differ in structure from what ``tf.gradients`` gives, or None."""
     walk = _Walk(ys, xs, grad_ys, stops, calls)

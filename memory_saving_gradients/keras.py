@@ -1,5 +1,8 @@
 """Keras: ``model.fit`` with memory-saving gradients, for Keras 3 and tf_keras models.
 
+Layer: entry points; imports: notices, reporting, tape, tape_hooks, _tensorflow,
+checkpointing (when called) (planning for type hints only).
+
 ``enable(model, checkpoints='memory', **options)`` wraps the model's own
 ``train_step`` (Keras' built-in one, or yours if the model's class overrides
 it) so that, while it is traced, every ``tf.GradientTape`` in it
@@ -29,18 +32,30 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 from . import _tensorflow as _tf_internals
 from . import notices, reporting, tape_hooks
 from . import tape as tape_lib
 from ._tensorflow import tf
 
+if TYPE_CHECKING:
+    import keras as _keras3
+    import tf_keras
+
+    from .planning import Plan
+
+    #: What these functions take: a Keras 3 model (TensorFlow backend) or a tf_keras one.
+    Model = Union[_keras3.Model, tf_keras.Model]
+#: An input spec: one ``tf.TensorSpec``, or one per input.
+InputSpec = Union[tf.TensorSpec, Sequence[tf.TensorSpec]]
+
 logger = logging.getLogger("memory_saving_gradients")
 
 _ATTRIBUTE = "_memory_saving_gradients_options"
 
 
-def enable(model, checkpoints: str = "memory", **options):
+def enable(model: Model, checkpoints: str = "memory", **options: Any) -> Model:
     """Make ``model.fit`` (and ``train_on_batch``) train with memory-saving gradients.
 
     Args:
@@ -93,7 +108,7 @@ def enable(model, checkpoints: str = "memory", **options):
     return model
 
 
-def disable(model):
+def disable(model: Model) -> Model:
     """Undo :func:`enable`: ``fit`` uses the model's own train step again."""
     state = getattr(model, _ATTRIBUTE, None)
     if state is None:
@@ -108,7 +123,7 @@ def disable(model):
     return model
 
 
-def plans(model) -> list:
+def plans(model: Model) -> list[Plan]:
     """The :class:`~memory_saving_gradients.Plan` of every train step of ``model``
     rewritten since :func:`enable` (empty if none, or if it is not enabled)."""
     state = getattr(model, _ATTRIBUTE, None)
@@ -130,7 +145,7 @@ def _warn_eager(model, record: reporting.Record) -> None:
     )
 
 
-def is_enabled(model) -> bool:
+def is_enabled(model: Model) -> bool:
     """Whether :func:`enable` is in effect for ``model``."""
     return getattr(model, _ATTRIBUTE, None) is not None
 
@@ -164,7 +179,7 @@ def _model_kind(model) -> str:
 INPUT_BATCHES = 2
 
 
-def step_plan(model, checkpoints: str = "memory", input_spec=None):
+def step_plan(model: Model, checkpoints: str = "memory", input_spec: InputSpec | None = None) -> Plan:
     """The :class:`~memory_saving_gradients.Plan` of one training step of ``model``,
     traced once on its input spec with the batch dimension unknown.
 
@@ -192,8 +207,8 @@ def step_plan(model, checkpoints: str = "memory", input_spec=None):
     return found[-1]
 
 
-def largest_batch(model, memory: float | None = None, checkpoints: str | None = "memory",
-                  input_spec=None, headroom: float | None = None) -> int:
+def largest_batch(model: Model, memory: float | None = None, checkpoints: str | None = "memory",
+                  input_spec: InputSpec | None = None, headroom: float | None = None) -> int:
     """The largest batch whose predicted training step fits ``memory`` bytes.
 
     What must fit: the model's variables and its optimizer's slot variables
@@ -262,7 +277,7 @@ def _bytes_per_example(spec) -> int:
     return count * tf.as_dtype(spec.dtype).size
 
 
-def model_bytes(model) -> int:
+def model_bytes(model: Model) -> int:
     """Bytes of the model's variables and its optimizer's (built here if needed)."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and not getattr(optimizer, "built", True):

@@ -1,5 +1,8 @@
 """Plans remembered by the structure of the graph they were made for.
 
+Layer: analysis (read-only); imports: graph, _tensorflow (planning, schedule for type
+hints only).
+
 Keras and ``tf.function`` trace the same step again and again (a second
 ``fit``, a new ``train_function``, a retrace for another input signature
 that happens to give the same shapes).  Each trace is a new graph, but the
@@ -16,10 +19,14 @@ import collections
 import dataclasses
 import hashlib
 import threading
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ._tensorflow import tf
 from .graph import ForwardRegion
+
+if TYPE_CHECKING:
+    from .planning import Plan
+    from .schedule import Schedule
 
 #: How many plans are remembered (least recently used go first).
 CAPACITY = 128
@@ -74,8 +81,8 @@ def remembered(key: tuple, region: ForwardRegion, choose: Callable[[], list]) ->
     return tensors
 
 
-def remembered_plan(key: tuple, checkpoints: Sequence[tf.Tensor], make: Callable,
-                    schedule=None):
+def remembered_plan(key: tuple, checkpoints: Sequence[tf.Tensor], make: Callable[[], Plan],
+                    schedule: Schedule | None = None) -> Plan:
     """``make()``'s :class:`~.planning.Plan` for ``checkpoints``, its figures from
     memory when ``key`` (as for :func:`remembered`) was described before; a
     remembered plan gets ``schedule`` (graph objects are not remembered)."""

@@ -1,5 +1,7 @@
 """Warning categories of the library's user-facing notices.
 
+Layer: foundation; imports nothing.
+
 Notices that tell a user the library saved no memory where it was asked to
 go through :func:`warnings.warn` with one of these categories, so that they
 can be filtered (``warnings.filterwarnings('ignore', category=...)``) and

@@ -1,6 +1,6 @@
 """What the library knows about TensorFlow op types: one documented set per property.
 
-Layer: bottom (pure data; imports nothing of the library or TensorFlow).
+Layer: foundation (pure data); imports nothing of the library or TensorFlow.
 
 Every rule that depends on an op's type reads one of these sets, so that
 supporting a new op type (a new matrix product, say) is an edit here.

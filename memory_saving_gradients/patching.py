@@ -1,5 +1,7 @@
 """Replacing ``tf.gradients`` & co. with checkpointed gradients, and restoring them.
 
+Layer: entry points; imports: checkpointing, reporting, tape, tape_hooks, _tensorflow.
+
 ``patch(checkpoints='memory', tape=True, **options)`` swaps in memory-saving
 versions of every public way TensorFlow 2 code reaches graph gradients:
 
@@ -32,13 +34,13 @@ import importlib
 import logging
 import sys
 import threading
-from typing import Iterator
+from typing import Any, Callable, ContextManager, Iterator, Union
 
 from . import _tensorflow as _tf_internals
 from . import reporting, tape_hooks
 from . import tape as tape_lib
 from ._tensorflow import tf
-from .checkpointing import check_arguments
+from .checkpointing import Checkpoints, check_arguments
 from .checkpointing import gradients as _checkpointed_gradients
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -99,6 +101,9 @@ def gradient_slots() -> list:
 _lock = threading.Lock()
 _active: list = []  # Patch objects, oldest first
 
+#: What ``patch()`` takes as ``checkpoints``: as :func:`gradients`, or one tensor.
+PatchCheckpoints = Union[Checkpoints, tf.Tensor]
+
 
 #: Parameters of gradients() that the replacements pass themselves (not options).
 PASSED_BY_THE_REPLACEMENTS = (
@@ -113,7 +118,8 @@ def _recorded(record, ys, xs, grad_ys, **arguments):
         return _checkpointed_gradients(ys, xs, grad_ys, **arguments)
 
 
-def make_gradients_v1(checkpoints="memory", record: reporting.Record | None = None, **options):
+def make_gradients_v1(checkpoints: Checkpoints = "memory", record: reporting.Record | None = None,
+                      **options: Any) -> Callable[..., list]:
     """A function with ``tf.compat.v1.gradients``' signature that checkpoints
     (its rewrites are recorded in ``record``)."""
 
@@ -145,7 +151,8 @@ def make_gradients_v1(checkpoints="memory", record: reporting.Record | None = No
     return _mark(gradients, "v1")
 
 
-def make_gradients_v2(checkpoints="memory", record: reporting.Record | None = None, **options):
+def make_gradients_v2(checkpoints: Checkpoints = "memory", record: reporting.Record | None = None,
+                      **options: Any) -> Callable[..., list]:
     """A function with ``tf.gradients``' (TF2) signature that checkpoints
     (its rewrites are recorded in ``record``).
 
@@ -201,7 +208,7 @@ class Patch:
     ``gradients`` name), in the order they were built.
     """
 
-    def __init__(self, checkpoints, options: dict, tape: bool = True):
+    def __init__(self, checkpoints: Checkpoints, options: dict, tape: bool = True):
         self.checkpoints = checkpoints
         self.options = dict(options)
         self.tape = tape
@@ -285,7 +292,7 @@ class Patch:
     def __enter__(self) -> "Patch":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.undo()
 
     def __repr__(self) -> str:
@@ -294,7 +301,7 @@ class Patch:
                 f"tape={self.tape} {state}>")
 
 
-def patch(checkpoints="memory", tape: bool = True, **options) -> Patch:
+def patch(checkpoints: PatchCheckpoints = "memory", tape: bool = True, **options: Any) -> Patch:
     """Make TensorFlow's gradients checkpoint: tapes, ``tf.gradients`` and the v1 optimizers.
 
     Args:
@@ -326,7 +333,8 @@ def patch(checkpoints="memory", tape: bool = True, **options) -> Patch:
     return handle
 
 
-def patched(checkpoints="memory", tape: bool = True, **options):
+def patched(checkpoints: PatchCheckpoints = "memory", tape: bool = True,
+            **options: Any) -> ContextManager[Patch]:
     """``with patched('memory') as handle: ...``: :func:`patch` for the block, undone after it.
 
     Bad arguments raise here, when it is called; ``handle.plans`` lists what

@@ -1,14 +1,21 @@
-"""``plan()``: what ``gradients()`` would keep and what it would cost, without changing the graph."""
+"""``plan()``: what ``gradients()`` would keep and what it would cost, without changing the graph.
+
+Layer: analysis (read-only); imports: batch, graph, schedule, simulate, _gc (_tensorflow
+for type hints only).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from . import _gc, simulate
 from . import batch as batch_lib
 from . import graph as graph_lib
 from . import schedule as schedule_lib
+
+if TYPE_CHECKING:
+    from ._tensorflow import tf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +123,10 @@ class Plan:
 
 @_gc.without_cyclic_gc
 def make_plan(
-    ys, xs, region, checkpoints: Sequence, strategy: str, unknown_dim: int = 1,
+    ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: graph_lib.ForwardRegion,
+    checkpoints: Sequence[tf.Tensor], strategy: str, unknown_dim: int = 1,
     onednn: bool = True, gpu: bool = False, batch_known: bool = True, batch_note: tuple = (),
-    stops: Sequence = (), schedule: schedule_lib.Schedule | None = None,
+    stops: Sequence[tf.Tensor] = (), schedule: schedule_lib.Schedule | None = None,
 ) -> Plan:
     """Predict both peaks for a chosen set of checkpoints (pure: nothing is built);
     unknown dimensions count as ``unknown_dim``; ``onednn`` and ``gpu`` describe

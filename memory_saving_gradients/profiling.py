@@ -1,6 +1,8 @@
 """Measured peak memory: of a TF2 step (eager, ``tf.function``, Keras ``fit``), or of
 a traced ``tf.compat.v1`` ``Session.run``.
 
+Layer: analysis (measures; changes no graph); imports: _tensorflow.
+
 TF2: :func:`peak_memory_during` resets the device allocator's statistics
 (``tf.config.experimental.reset_memory_stats``), runs your code, and returns
 the allocator's peak above the bytes it held when the code started
@@ -17,7 +19,7 @@ allocated before it).
 from __future__ import annotations
 
 import collections
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 from ._tensorflow import gpu_visible, tf
 
@@ -58,7 +60,7 @@ def peak_memory_during(run: Callable[[], object], device: str | None = None) -> 
     return max(0, tf.config.experimental.get_memory_info(device)["peak"] - start)
 
 
-def allocation_records(run_metadata) -> dict:
+def allocation_records(run_metadata: tf.compat.v1.RunMetadata) -> dict[str, list[tuple[int, int]]]:
     """``{allocator name: [(micros, bytes), ...]}`` from a RunMetadata's step stats."""
     return _records_by(run_metadata, lambda device, memory: memory.allocator_name)
 
@@ -76,7 +78,7 @@ def _records_by(run_metadata, key: Callable) -> dict:
     return dict(records)
 
 
-def running_peak(records) -> int:
+def running_peak(records: Iterable[tuple[int, int]]) -> int:
     """The peak of the running sum of ``(micros, bytes)`` allocation records (negative
     bytes are frees), in time order.
 
@@ -90,7 +92,7 @@ def running_peak(records) -> int:
     return peak
 
 
-def peak_memory(run_metadata) -> dict:
+def peak_memory(run_metadata: tf.compat.v1.RunMetadata) -> dict[str, int]:
     """Peak bytes per allocator (device) of a traced step, e.g. ``{'cpu': 123456}``.
 
     Allocators that the step never used are absent (see :func:`running_peak`).
@@ -99,7 +101,7 @@ def peak_memory(run_metadata) -> dict:
             for allocator, records in allocation_records(run_metadata).items()}
 
 
-def peak_memory_by_device(run_metadata) -> dict:
+def peak_memory_by_device(run_metadata: tf.compat.v1.RunMetadata) -> dict[str, int]:
     """Peak bytes per device of a traced step, keyed by the step stats' device name.
 
     Logical devices of one physical device share an allocator (two logical
@@ -112,7 +114,7 @@ def peak_memory_by_device(run_metadata) -> dict:
     return {name: running_peak(device_records) for name, device_records in records.items()}
 
 
-def executed_op_types(run_metadata) -> collections.Counter:
+def executed_op_types(run_metadata: tf.compat.v1.RunMetadata) -> collections.Counter[str]:
     """How many ops of each type a traced step ran, from its step stats.
 
     oneDNN's kernel prefixes are removed (``_MklNativeConv2D`` counts as
@@ -130,7 +132,8 @@ def executed_op_types(run_metadata) -> collections.Counter:
     return counts
 
 
-def traced_run(session, fetches, feed_dict=None, runs: int = 2):
+def traced_run(session: tf.compat.v1.Session, fetches: Any, feed_dict: dict | None = None,
+               runs: int = 2) -> tuple[Any, tf.compat.v1.RunMetadata]:
     """Run ``fetches`` ``runs`` times with full tracing; return (values, RunMetadata of the last).
 
     The first run warms up (allocator pools, grappler); measure the last.

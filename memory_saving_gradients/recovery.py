@@ -1,5 +1,8 @@
 """Leaving nothing behind when building a backward pass fails while a function is traced.
 
+Layer: mutation (tf.function and Keras Python objects after a failed trace); imports:
+_tensorflow.
+
 A ``tf.function`` whose first trace raises keeps the state of that trace:
 the next call is treated as a later call, and a step that creates
 variables then (an optimizer's slots, on its first ``apply_gradients``)
@@ -42,7 +45,7 @@ def after_failure() -> None:
                          "failed trace", getattr(owner, "name", owner))
 
 
-def keras_model_being_traced():
+def keras_model_being_traced() -> object | None:
     """The innermost Keras model whose train step these frames run, or None."""
     for _, owner in _frame_owners():
         if is_keras_model(owner):
@@ -63,7 +66,7 @@ def keras_models_with_train_function() -> list:
             if isinstance(value, classes) and getattr(value, "train_function", None) is not None]
 
 
-def is_keras_model(value) -> bool:
+def is_keras_model(value: object) -> bool:
     """Whether ``value`` trains like a Keras model (Keras 3 or tf_keras)."""
     return all(hasattr(type(value), name) for name in ("train_step", "make_train_function", "fit"))
 

@@ -1,5 +1,8 @@
 """What the entry points did: one INFO line per rewrite, and a record of the plans.
 
+Layer: transform; imports: notices, recovery, _units (planning, schedule, _tensorflow
+for type hints only).
+
 A :class:`Record` belongs to one entry point (a ``patch()``, a model's
 ``keras.enable``, a ``GradientTape``).  While the entry point's gradients
 run, :func:`recording` makes it current; :func:`~.checkpointing.gradients`
@@ -17,9 +20,15 @@ import contextlib
 import logging
 import threading
 import warnings
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from . import notices, recovery
+from ._units import MIB
+
+if TYPE_CHECKING:
+    from ._tensorflow import tf
+    from .planning import Plan
+    from .schedule import Schedule
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -98,21 +107,21 @@ def left_plain(record: Record | None, reason: str) -> None:
         record.plain[reason] += 1
 
 
-def scheduled(schedule) -> None:
+def scheduled(schedule: Schedule) -> None:
     """Keep the backward schedule a rewrite builds, for the current record."""
     record = current()
     if record is not None:
         record.schedules.append(schedule)
 
 
-def rewrote(plan, graph) -> None:
+def rewrote(plan: Plan, graph: tf.Graph) -> None:
     """Log one INFO line for a rewritten backward pass and keep its plan."""
     record = current()
     if record is not None:
         record.plans.append(plan)
     if not logger.isEnabledFor(logging.INFO):
         return
-    mb = 2.0**20
+    mb = MIB
     logger.info(
         "memory_saving_gradients: rewrote the gradients of %s: checkpoints=%r, %d "
         "checkpoints, predicted peak %.2f MB vs %.2f MB plain (%.2fx), recomputation "
@@ -123,7 +132,7 @@ def rewrote(plan, graph) -> None:
     )
 
 
-def where(graph, record: Record | None = None) -> str:
+def where(graph: tf.Graph, record: Record | None = None) -> str:
     """What is being traced: the record's name for it, a Keras model, or the function."""
     if record is not None and record.where:
         label = record.where

@@ -1,5 +1,8 @@
 """The only module that creates or changes TensorFlow graph structure.
 
+Layer: mutation (the only code that changes TensorFlow graphs); imports: graph, ops,
+_tensorflow.
+
 It copies ops, adds control inputs to ops it created, and builds the small
 ops the backward pass needs (default ``grad_ys``, gradient sums).  It reaches
 TensorFlow's private graph API through :mod:`._tensorflow` only, and it is the
@@ -14,16 +17,21 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from . import _tensorflow as _tf_internals
 from . import graph as graph_lib
 from . import ops as op_types
 from ._tensorflow import tf
 
+#: One gradient as ``tf.gradients`` gives it: dense, ``IndexedSlices``, or None.
+Gradient = Optional[Union[tf.Tensor, tf.IndexedSlices]]
+#: A registered gradient function: ``(op, *output_gradients) -> input gradient(s)``.
+GradientFunction = Callable[..., Any]
+
 
 @contextlib.contextmanager
-def clean_scope(graph: tf.Graph, name_scope: str):
+def clean_scope(graph: tf.Graph, name_scope: str) -> Iterator[None]:
     """Enter ``graph`` with no inherited control dependencies, device or colocation.
 
     Copies must not pick up whatever ``tf.control_dependencies`` or
@@ -97,7 +105,7 @@ def copy_ops(
 
 
 @contextlib.contextmanager
-def gated_gradients(copies: Iterable[tf.Operation]):
+def gated_gradients(copies: Iterable[tf.Operation]) -> Iterator[None]:
     """Inside the block, ``tf.gradients`` releases some copies' input gradients together.
 
     When the gradient function of one of ``copies`` returns two or more
@@ -208,8 +216,9 @@ def default_grad_ys(
 
 
 def sum_gradients(
-    grads: Sequence, colocate_with: tf.Operation | None = None, aggregation_method=None
-):
+    grads: Sequence[tf.Tensor | tf.IndexedSlices], colocate_with: tf.Operation | None = None,
+    aggregation_method: int | None = None,
+) -> tf.Tensor | tf.IndexedSlices:
     """Sum gradient contributions like ``tf.gradients``: sparse stays sparse.
 
     If every contribution is an ``IndexedSlices`` the result is their
@@ -246,7 +255,7 @@ def sum_gradients(
         return tf.math.add_n(dense)
 
 
-def tensors_of(gradient) -> list:
+def tensors_of(gradient: Gradient) -> list:
     """The tensors a gradient (dense or ``IndexedSlices``) is made of."""
     if isinstance(gradient, tf.IndexedSlices):
         parts = [gradient.values, gradient.indices]
@@ -266,7 +275,7 @@ def _unique_ops(ops: Iterable[tf.Operation]) -> list:
     return unique
 
 
-def unused_output_gradient(t: tf.Tensor):
+def unused_output_gradient(t: tf.Tensor) -> tf.Tensor | None:
     """What ``tf.gradients`` gives for output ``t`` of an op it differentiates, when no
     gradient reaches ``t``: zeros if ``t`` is trainable and the op has a gradient, else None."""
     try:
@@ -289,7 +298,7 @@ def proxies(
     tensors: Sequence[tf.Tensor],
     name_scope: str,
     control_inputs: Sequence[tf.Operation] = (),
-    data_after: Sequence = (),
+    data_after: Sequence[tf.Tensor | tf.IndexedSlices] = (),
 ) -> dict:
     """An identity of each tensor, keyed by the original's ``ref()``, waiting for ``control_inputs``.
 
@@ -307,7 +316,8 @@ def proxies(
     where the zero is computed from one element of the first of these
     gradients in a way XLA cannot fold, so the copies can neither run before
     that gradient nor be merged with the forward pass.  Other dtypes keep a
-    plain identity.  Without ``data_after`` the graph is as it always was.
+    plain identity.  Without ``data_after`` every proxy is a plain identity, ordered by
+    its control inputs only.
     """
     if not tensors:
         return {}
@@ -441,7 +451,8 @@ class GradientCalls:
         self.calls: dict = {}
         self.originals: dict = {}  # copy -> the op it copies
 
-    def note(self, op: tf.Operation, output_gradients, input_gradients) -> None:
+    def note(self, op: tf.Operation, output_gradients: Sequence[Gradient],
+             input_gradients: Gradient | Sequence[Gradient]) -> None:
         original = self.originals.get(op, op)
         outs = tuple(gradient_kind(g) for g in output_gradients)
         parts = input_gradients if isinstance(input_gradients, (list, tuple)) else [input_gradients]
@@ -456,7 +467,7 @@ class GradientCalls:
 KIND_ORDER = ("none", "sparse", "dense")
 
 
-def gradient_kind(gradient) -> str:
+def gradient_kind(gradient: Gradient) -> str:
     """``'none'``, ``'sparse'`` (an ``IndexedSlices``) or ``'dense'``."""
     if gradient is None:
         return "none"
@@ -496,13 +507,13 @@ def _observing_get_gradient_function(op):
     return gradient
 
 
-def original_gradient_function(op: tf.Operation):
+def original_gradient_function(op: tf.Operation) -> GradientFunction | None:
     """TensorFlow's ``get_gradient_function``, never observed (LookupError as TensorFlow)."""
     return _ORIGINAL_GET_GRADIENT_FUNCTION(op)
 
 
 @contextlib.contextmanager
-def observed_gradient_calls(graph: tf.Graph):
+def observed_gradient_calls(graph: tf.Graph) -> Iterator[GradientCalls]:
     """Inside the block, the gradient functions TensorFlow calls on ``graph``'s ops in
     this thread are noted in the :class:`GradientCalls` yielded.
 

@@ -1,5 +1,7 @@
 """The backward schedule: which groups the backward pass differentiates, in which order, and how.
 
+Layer: analysis (read-only); imports: graph, _tensorflow.
+
 Pure: a function of the forward region, the tensors kept from the forward
 pass and the ``stop_gradients``; nothing is built.  The memory model
 (:func:`.simulate.predict_checkpointed`) and the rewrite

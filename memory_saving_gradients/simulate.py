@@ -1,5 +1,7 @@
 """Static memory model: the predicted peak of a backward pass, before anything runs.
 
+Layer: analysis (read-only); imports: graph, ops, schedule, _tensorflow.
+
 The model replays the step as TensorFlow's executor would run it one op at a
 time: the forward pass in topological order, then (plain ``tf.gradients``)
 every op's gradient in reverse order, or (checkpointed) each segment's
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Sequence
+from typing import Callable, Hashable, Sequence, TypeVar
 
 import numpy as np
 
@@ -30,6 +32,8 @@ from . import ops as op_types
 from . import schedule as schedule_lib
 from . import timing
 from ._tensorflow import tf
+
+_T = TypeVar("_T")
 
 #: :data:`.ops.ALIASES`: outputs that share their input's buffer.
 ALIAS_OP_TYPES = op_types.ALIASES
@@ -65,6 +69,12 @@ class Prediction:
         over the time without it."""
         plain = self.forward_seconds + self.backward_seconds
         return (plain + self.recompute_seconds) / plain if plain else 1.0
+
+
+#: How many producers back :class:`Sizer` follows an unknown dimension (through ops
+#: that keep it, or keep the element count) before counting it as ``unknown_dim``:
+#: bounds the recursion along long chains of unknown shapes.
+ESTIMATE_DEPTH = 32
 
 
 class Sizer:
@@ -121,7 +131,7 @@ class Sizer:
     def _estimate(self, tensor: tf.Tensor, dims: list, depth: int) -> list:
         op = tensor.op
         inputs = [t for t in op.inputs if t.dtype not in (tf.resource, tf.variant)]
-        deep = depth > 32  # a long chain of unknown shapes: stop looking back
+        deep = depth > ESTIMATE_DEPTH  # a long chain of unknown shapes: stop looking back
         if op.type in _SAME_ELEMENTS_OP_TYPES and inputs and not deep:
             source = self.shape(inputs[0], depth + 1)
             if source is not None:
@@ -147,7 +157,7 @@ class Sizer:
                         break
         return estimated
 
-    def per_region(self, region, key, make):
+    def per_region(self, region: graph_lib.ForwardRegion, key: Hashable, make: Callable[[], _T]) -> _T:
         """``make()``, computed once per region and ``key`` and remembered: what
         every prediction over the same region shares."""
         found = self._per_region.get((id(region), key))
@@ -185,7 +195,7 @@ class Sizer:
 CONVOLUTION_OP_TYPES = op_types.CONVOLUTIONS
 
 
-def workspace_note(region, onednn: bool, gpu: bool) -> tuple:
+def workspace_note(region: graph_lib.ForwardRegion, onednn: bool, gpu: bool) -> tuple:
     """What the model leaves out on this machine, as a line for ``Plan.assumptions``.
 
     Without oneDNN (and without a GPU), TensorFlow's own CPU gradients of a
@@ -207,11 +217,16 @@ def workspace_note(region, onednn: bool, gpu: bool) -> tuple:
     )
 
 
+#: Flops per output element of a fused batch normalization: its statistics (mean,
+#: variance), then the normalisation; a rough count (its time is mostly memory traffic).
+BATCH_NORM_FLOPS_PER_ELEMENT = 10.0
+
+
 def _static_shape(tensor: tf.Tensor) -> list | None:
     return tensor.shape.as_list() if tensor.shape.rank is not None else None
 
 
-def op_flops(op: tf.Operation, shape=_static_shape) -> float:
+def op_flops(op: tf.Operation, shape: Callable[[tf.Tensor], list | None] = _static_shape) -> float:
     """Rough floating-point work of one op, from its shapes (``shape(tensor)``:
     a list of dimensions, or None; static shapes by default, unknown
     dimensions counting as 1)."""
@@ -241,7 +256,7 @@ def op_flops(op: tf.Operation, shape=_static_shape) -> float:
             inner = first[0] or 1
         return 2.0 * out * inner
     if op.type.startswith("FusedBatchNorm"):
-        return 10.0 * out  # statistics, then normalisation
+        return BATCH_NORM_FLOPS_PER_ELEMENT * out  # statistics, then normalisation
     return float(out)
 
 
@@ -250,7 +265,7 @@ def op_flops(op: tf.Operation, shape=_static_shape) -> float:
 BYTE_COST = 4.0
 
 
-def op_cost(op: tf.Operation, size=graph_lib.tensor_bytes) -> float:
+def op_cost(op: tf.Operation, size: Callable[[tf.Tensor], int] = graph_lib.tensor_bytes) -> float:
     """Modelled time of one op, in flops: its arithmetic plus its memory traffic.
 
     Recomputation is priced with this, so that a plan that recomputes many
@@ -441,7 +456,7 @@ def _backward_memo(size: Sizer, region, xs_refs) -> dict:
 
 
 def predict_baseline(
-    region,
+    region: graph_lib.ForwardRegion,
     ys: Sequence[tf.Tensor],
     xs: Sequence[tf.Tensor],
     unknown_dim: int = 1,
@@ -471,7 +486,7 @@ def predict_baseline(
 
 
 def predict_checkpointed(
-    region,
+    region: graph_lib.ForwardRegion,
     ys: Sequence[tf.Tensor],
     xs: Sequence[tf.Tensor],
     checkpoints: Sequence[tf.Tensor],

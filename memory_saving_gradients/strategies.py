@@ -1,5 +1,8 @@
 """Checkpoint selection policies.
 
+Layer: analysis (read-only); imports: batch, budget, cuts, graph, ops, simulate, _gc,
+_tensorflow, _units.
+
 A strategy is a pure function ``(ys, xs, region, **options) -> list of tensors``
 that reads the forward graph and returns the tensors to keep.  It never
 changes the graph: the rewrite is done elsewhere, from whatever a strategy
@@ -55,7 +58,7 @@ def get(name: str) -> Strategy:
 
 @register("collection")
 def collection(
-    ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegion, **_
+    ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegion, **_: object
 ) -> list:
     """The tensors in the graph collection ``'checkpoints'``."""
     graph = ys[0].graph
@@ -67,7 +70,7 @@ EXPENSIVE_OP_TYPES = op_types.EXPENSIVE
 
 
 @register("speed")
-def speed(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegion, **_) -> list:
+def speed(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegion, **_: object) -> list:
     """Outputs of convolutions and matrix products, and the branch points between them.
 
     Only the cheap ops are recomputed.  Tensors read by several ops (a
@@ -92,7 +95,7 @@ def memory(
     region: ForwardRegion,
     memory_budget: float | None = None,
     unknown_dim: int = 1,
-    **_,
+    **_: object,
 ) -> list:
     """The least memory: bottleneck cuts spaced by bytes, chosen by :mod:`.budget`.
 
@@ -117,7 +120,7 @@ def balanced(
     region: ForwardRegion,
     memory_budget: float | None = None,
     unknown_dim: int = 1,
-    **_,
+    **_: object,
 ) -> list:
     """A trade between the least peak and recomputation.
 
@@ -139,7 +142,8 @@ def balanced(
 
 
 @_gc.without_cyclic_gc
-def any_batch_checkpoints(ys, xs, region, trade: bool = False,
+def any_batch_checkpoints(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegion,
+                          trade: bool = False,
                           batches: Sequence[int] = batch_lib.PLANNING_BATCHES) -> list:
     """'memory' for a graph whose batch (its unknown dimensions) is not known.
 
@@ -308,7 +312,8 @@ class _Proposals:
 
 
 @_gc.without_cyclic_gc
-def memory_checkpoints(ys, xs, region, memory_budget=None, unknown_dim: int = 1,
+def memory_checkpoints(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegion,
+                       memory_budget: float | None = None, unknown_dim: int = 1,
                        trade: bool = False, sizer: simulate.Sizer | None = None) -> list:
     """The 'memory' (``trade=False``) or 'balanced' (``trade=True``) choice of checkpoints.
 

@@ -1,5 +1,8 @@
 """Checkpointed ``GradientTape.gradient`` inside ``tf.function``.
 
+Layer: entry points; imports: checkpointing, graph, notices, recovery, reporting,
+_nesting, _tensorflow.
+
 Inside a ``tf.function`` the operations a tape saw are ops of the function
 graph, so ``gradient()`` can build the backward pass with
 :func:`~memory_saving_gradients.gradients` on that graph instead of replaying
@@ -35,16 +38,20 @@ import dataclasses
 import logging
 import threading
 import warnings
+from typing import Any, Callable
 
 from . import _tensorflow as _tf_internals
 from . import graph as graph_lib
 from . import notices, recovery, reporting
 from ._nesting import Nesting
 from ._tensorflow import tf
-from .checkpointing import building_gradients, check_arguments
+from .checkpointing import Checkpoints, building_gradients, check_arguments
 from .checkpointing import gradients as _checkpointed_gradients
 
 logger = logging.getLogger("memory_saving_gradients")
+
+#: A ``tf.nest`` structure: a tensor or variable, or lists, tuples and dicts of them.
+Nested = Any
 
 _eager_warned = threading.Event()
 #: Inside ``jacobian``/``batch_jacobian`` (in this thread) tape gradients stay plain.
@@ -69,7 +76,7 @@ class Config:
     PASSED_BY_THE_TAPE = ("stop_gradients", "unconnected_gradients")
 
     @classmethod
-    def of(cls, checkpoints, options: dict, record: reporting.Record | None = None) -> "Config":
+    def of(cls, checkpoints: Checkpoints, options: dict, record: reporting.Record | None = None) -> "Config":
         """A configuration; raises at once, as gradients() would, on a bad
         strategy, option name or option value."""
         check_arguments(checkpoints, options, cls.PASSED_BY_THE_TAPE)
@@ -108,7 +115,7 @@ def _recording(tape):
 # -- bookkeeping called after the tape's own methods ---------------------------
 
 
-def note_push(tape) -> None:
+def note_push(tape: tf.GradientTape) -> None:
     """After ``_push_tape``: start a span of recorded ops (graph mode only)."""
     if tf.executing_eagerly():
         return
@@ -119,14 +126,14 @@ def note_push(tape) -> None:
     recording.open()
 
 
-def note_pop(tape) -> None:
+def note_pop(tape: tf.GradientTape) -> None:
     """After ``_pop_tape``: close the span."""
     recording = _recording(tape)
     if recording is not None:
         recording.close()
 
 
-def note_reset(tape) -> None:
+def note_reset(tape: tf.GradientTape) -> None:
     """After ``reset``: forget what was recorded."""
     recording = _recording(tape)
     if recording is not None and not tf.executing_eagerly():
@@ -134,7 +141,7 @@ def note_reset(tape) -> None:
         fresh.open()
 
 
-def note_watch(tape, tensor) -> None:
+def note_watch(tape: tf.GradientTape, tensor: Nested) -> None:
     """After ``watch``: remember watched graph tensors."""
     recording = _recording(tape)
     if recording is None or tf.executing_eagerly():
@@ -159,13 +166,13 @@ def _plain_reason(tape) -> str | None:
 
 
 def checkpointed_gradient(
-    tape,
+    tape: tf.GradientTape,
     config: Config,
-    target,
-    sources,
-    output_gradients=None,
-    unconnected_gradients=tf.UnconnectedGradients.NONE,
-):
+    target: Nested,
+    sources: Nested,
+    output_gradients: Nested | None = None,
+    unconnected_gradients: tf.UnconnectedGradients | str = tf.UnconnectedGradients.NONE,
+) -> Nested:
     """``tape.gradient(...)`` built by :func:`gradients` on the recorded graph."""
 
     def plain():
@@ -339,7 +346,8 @@ def _unrecorded_inputs(recording: _Recording, graph, xs) -> list:
 # -- the methods of a checkpointing tape ---------------------------------------------
 
 
-def hooked_methods(previous, config_of) -> dict:
+def hooked_methods(previous: Callable[[str], Callable],
+                   config_of: Callable[[tf.GradientTape], Config | None]) -> dict[str, Callable]:
     """The :data:`HOOKED` methods of a checkpointing tape, by name.
 
     Each calls ``previous(name)`` (the method it stands in for) and then does
@@ -420,10 +428,10 @@ class GradientTape(tf.GradientTape):
 
     def __init__(
         self,
-        checkpoints="memory",
+        checkpoints: Checkpoints = "memory",
         persistent: bool = False,
         watch_accessed_variables: bool = True,
-        **options,
+        **options: Any,
     ):
         record = reporting.Record()
         try:
@@ -450,7 +458,7 @@ class GradientTape(tf.GradientTape):
 # -- helpers -----------------------------------------------------------------------
 
 
-def is_variable(value) -> bool:
+def is_variable(value: object) -> bool:
     """Whether TensorFlow treats ``value`` as a resource variable (tf.Variable,
     Keras 3 and tf_keras variables, AutoCastVariable, distributed variables)."""
     return _tf_internals.is_resource_variable(value)

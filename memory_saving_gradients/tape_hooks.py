@@ -1,5 +1,7 @@
 """The tape-level patch: every ``tf.GradientTape`` checkpoints while a graph is traced.
 
+Layer: entry points; imports: tape, _tensorflow.
+
 TF2 code differentiates with ``tape.gradient``: Keras 3's and tf_keras'
 ``train_step``, custom training loops, ``optimizer.minimize(..., tape=tape)``.
 Replacing the ``tf.gradients`` names does not reach them, and replacing the
