@@ -13,6 +13,7 @@ from . import _gc, simulate
 from . import batch as batch_lib
 from . import graph as graph_lib
 from . import schedule as schedule_lib
+from ._units import MIB
 
 if TYPE_CHECKING:
     from ._tensorflow import tf
@@ -96,7 +97,7 @@ class Plan:
         return self.predicted_peak_bytes / max(self.baseline_peak_bytes, 1)
 
     def __str__(self) -> str:
-        mb = 2.0**20
+        mb = MIB
         lines = [
             f"Plan ({self.strategy}): {len(self.checkpoints)} checkpoints, predicted peak "
             f"{self.predicted_peak_bytes / mb:.1f} MB vs {self.baseline_peak_bytes / mb:.1f} MB "

@@ -276,7 +276,7 @@ def op_cost(op: tf.Operation, size: Callable[[tf.Tensor], int] = graph_lib.tenso
     return op_flops(op, shape) + BYTE_COST * traffic
 
 
-def op_seconds(op: tf.Operation, size=graph_lib.tensor_bytes) -> float:
+def op_seconds(op: tf.Operation, size: Callable[[tf.Tensor], int] = graph_lib.tensor_bytes) -> float:
     """The time model's seconds for one op (:func:`.timing.op_seconds`, this machine's
     calibration or the default): its FLOPs at its kind's rate, or its bytes at the
     memory bandwidth, whichever is slower, plus the fixed cost of a kernel."""
@@ -285,7 +285,7 @@ def op_seconds(op: tf.Operation, size=graph_lib.tensor_bytes) -> float:
     return timing.op_seconds(op_flops(op, shape), traffic, timing.kind_of(op.type), timing.current())
 
 
-def step_seconds(region, size) -> tuple:
+def step_seconds(region: graph_lib.ForwardRegion, size: Sizer) -> tuple[float, float]:
     """The time model's (forward, backward) seconds of the region's ops: each op, and its
     gradient (:func:`.timing.backward_seconds`) where a gradient flows through it."""
     throughput = timing.current()

@@ -1,11 +1,13 @@
 """The time model: how long an op takes, from its FLOPs and bytes and per-kind throughputs.
 
-Layer: analysis.  The model is a pure function of numbers (:func:`op_seconds`);
-the throughputs it uses come from :func:`calibrate`, which times a few kernels
-once on this machine in a private graph and caches them, or from
-:data:`DEFAULT` until then.  ``simulate.op_cost`` prices every op with it, so
-the planner's recomputation is counted in seconds, and ``plan()`` predicts the
-step-time ratio from it.
+Layer: foundation; imports: _tensorflow (inside calibrate and machine_key).
+
+The model is a pure function of numbers (:func:`op_seconds`); the throughputs
+it uses come from :func:`calibrate`, which times a few kernels once on this
+machine in a private graph and caches them, or from :data:`DEFAULT` until
+then.  ``simulate.op_seconds`` prices each op with it, and ``plan()`` predicts
+the step-time ratio from it (``Plan.predicted_step_ratio``).  The planner's
+choices between plans still weigh recomputation with ``simulate.op_cost``.
 
 An op is ``max(flops / rate(kind), bytes / bandwidth) + seconds_per_op``: a
 roofline with a fixed cost per kernel (the executor's scheduling, which a plan
