@@ -101,6 +101,9 @@ class CutProblem:
             where, work, size = _pruned_columns(entries, held_only)
             self.pruned.append((where, _suffix_sums(work), _suffix_sums(size)))
         self.pruned.append(none)
+        # all the bytes pruned from the segments ending at each candidate: what a
+        # segment's bytes may fall below its outputs' (see first_within)
+        self.pruned_bytes = np.array([sizes[0] for _, _, sizes in self.pruned])
         self._rows: dict = {}
 
     def __len__(self):
@@ -146,8 +149,9 @@ class CutProblem:
 
     def first_within(self, limit: float) -> np.ndarray:
         """For every candidate b, the first candidate a whose segment (a, b] allocates
-        less than ``limit`` (outputs only: a lower bound on ``segment_bytes``)."""
-        need = self.output_bytes[self.positions + 1] - (limit - self.fixed_bytes)
+        less than ``limit``: its outputs, less every byte pruned from segments ending at b,
+        are a lower bound on ``segment_bytes``."""
+        need = self.output_bytes[self.positions + 1] - self.pruned_bytes - (limit - self.fixed_bytes)
         # output_bytes[pa + 1] must exceed need
         p = np.searchsorted(self.output_bytes, need, side="right") - 1
         return np.searchsorted(self.positions, p - 1, side="left")

@@ -264,16 +264,11 @@ def test_a_segment_of_copies_that_do_not_run_by_hand():
     assert p.row(1)[0][0] == 20 and p.row(2)[0][1] == 20
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "budget.CutProblem.first_within bounds a segment's bytes by its outputs, ignoring "
-    "the copies that do not run (pruned), so least_recompute skips the cut after op 3 "
-    "and finds no choice at budget 30, where keeping it peaks at 30; reported for the "
-    "owner of budget.py to fix"))
 def test_least_recompute_sees_segments_whose_copies_do_not_run():
     _check_least_recompute(UNREAD_RUN, UNREAD_RUN_CUTS, 0, False, 30)
 
 
-@pytest.mark.parametrize("name", sorted(set(HAND_BUILT) - {"unread_run"}))
+@pytest.mark.parametrize("name", sorted(HAND_BUILT))
 def test_hand_built_least_recompute_equals_brute_force_at_every_budget(name):
     ops, positions = HAND_BUILT[name]
     for held_only in (False, True):
