@@ -14,7 +14,7 @@ interval and sorts it into a phase by the name scope the graph gave it:
 *Time outside kernels* is the step's wall time minus the union of all kernel
 intervals: executor scheduling, Python and session overhead, and waits in
 which no kernel runs.  Figures are medians over the traced steps; the spread
-of a figure is (max - min) / median across them.  Tracing adds its own cost
+of a figure is its interquartile range over its median.  Tracing adds its own cost
 to every node, the same for every variant, so compare variants within one
 run, never against untraced step times.
 """
@@ -120,9 +120,13 @@ class Breakdown:
         return statistics.median(figure(s) for s in self.steps)
 
     def spread(self, figure) -> Optional[float]:
+        """The interquartile range of a figure over its median (None for under 4 steps)."""
         values = [figure(s) for s in self.steps]
         middle = statistics.median(values)
-        return (max(values) - min(values)) / middle if middle > 0 and len(values) > 1 else None
+        if middle <= 0 or len(values) < 4:
+            return None
+        low, _, high = statistics.quantiles(values, n=4)
+        return (high - low) / middle
 
     def op_types(self, phase: str) -> Dict[str, float]:
         """Median kernel seconds per op type within one phase."""

@@ -146,6 +146,7 @@ class Result:
     median_step_cpu_seconds: Optional[float] = None  # CPU seconds of this process per step
     rewrite_seconds: Optional[float] = None
     predicted_peak_bytes: Optional[int] = None
+    predicted_time_ratio: Optional[float] = None  # plan()'s step time over tf.gradients'
     grads_equal: Optional[bool] = None
     max_grad_diff: Optional[float] = None
     allocators: str = ""
@@ -478,6 +479,7 @@ def _build_graph_variant(spec, variant, device, seed, budget_fraction, check_gra
             result.predicted_peak_bytes = int(the_plan.predicted_peak_bytes)
             result.baseline_predicted_bytes = int(the_plan.baseline_peak_bytes)
             result.plan_key = _plan_key(the_plan.checkpoints)
+            result.predicted_time_ratio = float(the_plan.predicted_step_ratio)
         elif predict:
             try:
                 result.baseline_predicted_bytes = _baseline_prediction(msg, loss, xs)

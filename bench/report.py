@@ -20,6 +20,8 @@ FRONTIER = "frontier"
 ANCHORS = ("grappler-recompute", "recompute_grad", "collection", "speed", "memory")
 #: 'memory' counts as the least peak when within this of every other variant's.
 LEAST_PEAK_SLACK = 0.03
+#: plan()'s predicted step-time ratio is checked against the measured one within this fraction.
+TIME_PREDICTION_TOLERANCE = 0.10
 #: A frontier point "peaks no higher" than an anchor within this (measured peaks of
 #: the same graph move by about this much between runs).
 PEAK_JITTER = 0.01
@@ -27,7 +29,7 @@ PEAK_JITTER = 0.01
 COLUMNS = [
     "model", "size", "batch", "variant", "peak_mb", "peak_max_mb", "peak_ratio", "step_s",
     "time_ratio",
-    "cpu_ratio", "rewrite_s", "predicted_peak_mb", "grads_equal", "note",
+    "cpu_ratio", "predicted_time_ratio", "rewrite_s", "predicted_peak_mb", "grads_equal", "note",
 ]
 
 HEADERS = {
@@ -35,6 +37,7 @@ HEADERS = {
     "peak_mb": "peak MB (least of 3 runs)", "peak_max_mb": "most of 3", "peak_ratio": "peak / tf.gradients",
     "step_s": "step s (median)",
     "time_ratio": "time / tf.gradients", "cpu_ratio": "CPU time / tf.gradients",
+    "predicted_time_ratio": "plan() time / tf.gradients",
     "rewrite_s": "rewrite s",
     "predicted_peak_mb": "plan() predicted MB", "grads_equal": "grads equal", "note": "note",
 }
@@ -72,6 +75,7 @@ def row_dict(row) -> Dict[str, object]:
         "step_s": res.median_step_seconds,
         "time_ratio": row.time_ratio,
         "cpu_ratio": getattr(row, "cpu_ratio", None),
+        "predicted_time_ratio": res.predicted_time_ratio,
         "rewrite_s": res.rewrite_seconds if res.ok else None,
         "predicted_peak_mb": (None if res.predicted_peak_bytes is None
                               else res.predicted_peak_bytes / MIB),
@@ -93,7 +97,7 @@ def _fmt(column: str, value) -> str:
         return ""
     if column in ("peak_mb", "peak_max_mb", "predicted_peak_mb"):
         return f"{value:.1f}"
-    if column in ("peak_ratio", "time_ratio", "cpu_ratio"):
+    if column in ("peak_ratio", "time_ratio", "cpu_ratio", "predicted_time_ratio"):
         return f"{value:.3f}x" if column == "peak_ratio" else f"{value:.2f}x"
     if column in ("step_s", "rewrite_s"):
         return f"{value:.3f}" if value < 10 else f"{value:.1f}"
@@ -385,6 +389,35 @@ def least_peak_checks(rows) -> List[Dict[str, object]]:
     return checks
 
 
+def time_prediction_checks(rows) -> List[Dict[str, object]]:
+    """Per library variant measured with timing: plan()'s predicted step-time ratio against
+    the measured CPU-time and wall-time ratios; ``ok``: the prediction is within
+    ``TIME_PREDICTION_TOLERANCE`` of the measured CPU-time ratio."""
+    checks = []
+    for row in rows:
+        res = row.result
+        if res.predicted_time_ratio is None or row.cpu_ratio is None:
+            continue
+        error = res.predicted_time_ratio / row.cpu_ratio - 1
+        checks.append(dict(model=_label(res.model, res.size), variant=res.variant,
+                           predicted=res.predicted_time_ratio, cpu_ratio=row.cpu_ratio,
+                           time_ratio=row.time_ratio, error=error,
+                           ok=abs(error) <= TIME_PREDICTION_TOLERANCE))
+    return checks
+
+
+def time_prediction_table(checks) -> str:
+    lines = ["| model | variant | plan() time / tf.gradients | measured CPU time | measured wall "
+             f"time | prediction off by | within {100 * TIME_PREDICTION_TOLERANCE:.0f}% |",
+             "|---|---|---|---|---|---|---|"]
+    for c in checks:
+        wall = "" if c["time_ratio"] is None else f"{c['time_ratio']:.2f}x"
+        lines.append(f"| {c['model']} | {c['variant']} | {c['predicted']:.2f}x | "
+                     f"{c['cpu_ratio']:.2f}x | {wall} | {100 * c['error']:+.0f}% | "
+                     f"{'yes' if c['ok'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 def frontier_table(checks) -> str:
     def ratio(value):
         return "none" if value is None else f"{value:.2f}x"
@@ -495,6 +528,12 @@ def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
                "'memory''s measured peak against the least of every other checkpointing "
                "variant of the same model size (per-unit recompute_grad, 'collection', "
                "'speed', budgets, frontier points).", "", least_peak_table(least), ""]
+    timed = time_prediction_checks(rows)
+    if timed:
+        md += ["## Predicted against measured step time", "",
+               "plan()'s predicted step-time ratio (the time model, memory_saving_gradients.timing: "
+               "the forward, gradient and recomputed seconds of the region's ops) against the "
+               "measured ratios of the same run.", "", time_prediction_table(timed), ""]
     frontier = frontier_checks(rows)
     if frontier:
         md += ["## Frontier against the anchors", "",

@@ -281,6 +281,26 @@ def test_least_peak_check_skips_variants_with_the_same_plan():
     assert check["other_mb"] == pytest.approx(37.0) and not check["ok"]
 
 
+@pytest.mark.unit
+def test_time_prediction_check_compares_plan_with_the_measured_cpu_ratio():
+    from bench import report
+    from bench.core import Result
+    from bench.sweep import Row
+
+    def row(variant, predicted, cpu):
+        r = Row(Result("resnet", "depth=110", 32, variant, predicted_time_ratio=predicted))
+        r.cpu_ratio, r.time_ratio = cpu, cpu
+        return r
+
+    rows = [row("tf.gradients", None, 1.0), row("memory", 1.30, 1.37), row("speed", 1.0, 1.2)]
+    checks = {c["variant"]: c for c in report.time_prediction_checks(rows)}
+    assert set(checks) == {"memory", "speed"}  # the baseline has no prediction
+    assert checks["memory"]["ok"] and checks["memory"]["error"] == pytest.approx(1.30 / 1.37 - 1)
+    assert not checks["speed"]["ok"]  # 17% off
+    table = report.time_prediction_table(list(checks.values()))
+    assert "| resnet depth=110 | speed | 1.00x | 1.20x |" in table and "NO" in table
+
+
 class _FlakyThenRight:
     """A session whose first run of the step returns a wrong gradient, then the right one."""
 
