@@ -212,7 +212,7 @@ def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=()) 
     unknown = graph_lib.has_unknown_dims(problem.region)
     batch_size, batch_note = _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown)
     schedule = schedule_lib.backward_schedule(
-        problem.region, problem.ys, problem.xs, chosen, stops)
+        problem.region, problem.ys, problem.xs, chosen, stops) if chosen else None
 
     def make():
         return planning.make_plan(

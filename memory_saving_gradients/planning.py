@@ -135,13 +135,16 @@ def make_plan(
     has no unknown dimension; ``batch_note``: how the batch was chosen, for
     ``assumptions``; ``stops``: the ``stop_gradients``; ``schedule``: the backward
     schedule of these checkpoints and stops, when already worked out."""
-    if schedule is None:
-        schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops)
-    model = batch_lib.PeakModel(region, ys, xs, checkpoints, stops=stops, schedule=schedule)
     sizer = simulate.Sizer(unknown_dim)
-    predicted = simulate.predict_checkpointed(region, ys, xs, checkpoints, unknown_dim,
-                                              sizer=sizer, stops=stops, schedule=schedule)
     baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, sizer=sizer)
+    if checkpoints:
+        if schedule is None:
+            schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops)
+        predicted = simulate.predict_checkpointed(region, ys, xs, checkpoints, unknown_dim,
+                                                  sizer=sizer, stops=stops, schedule=schedule)
+    else:  # nothing kept: gradients() calls plain tf.gradients, and so does this plan
+        schedule, predicted = None, baseline
+    model = batch_lib.PeakModel(region, ys, xs, checkpoints, stops=stops, schedule=schedule)
     return Plan(
         checkpoints=tuple(checkpoints),
         predicted_peak_bytes=predicted.peak_bytes,

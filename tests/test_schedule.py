@@ -133,3 +133,20 @@ def test_plan_rejects_stop_gradients_as_gradients_does(bad):
             errors.append((type(caught.value), str(caught.value)))
     assert errors[0] == errors[1]
     assert "stop_gradients" in errors[0][1]
+
+
+def test_a_plan_that_keeps_nothing_is_plain_tf_gradients():
+    """'speed' on a tanh chain keeps nothing, so gradients() calls plain tf.gradients:
+    plan() says the same (the baseline's peak, no recomputation, no schedule)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [64, 256])
+        w = tf.Variable(tf.ones([256]))
+        h = x * w
+        for _ in range(12):
+            h = tf.tanh(h)
+        loss = tf.reduce_sum(h)
+        with pytest.warns(msg.NothingKeptWarning):
+            the_plan = msg.plan(loss, [w], checkpoints="speed")
+    assert the_plan.checkpoints == () and the_plan.schedule is None
+    assert the_plan.predicted_peak_bytes == the_plan.baseline_peak_bytes
+    assert the_plan.recompute_cost == 0 and the_plan.predicted_step_ratio == 1.0
