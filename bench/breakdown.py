@@ -27,6 +27,7 @@ import dataclasses
 import os
 import re
 import statistics
+import sys
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 PHASES = ("forward", "recompute", "backward")
@@ -249,7 +250,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                         f"{op_type_table(breakdowns)}\n\n![{label}]({name})\n")
         print(sections[-1], flush=True)
     with open(os.path.join(args.out, "breakdown.md"), "w", encoding="utf-8") as handle:
+        command = " ".join(sys.argv[1:] if argv is None else argv)
         handle.write(f"# Where the step time goes ({args.steps} traced steps per variant)\n\n"
+                     f"- command: `python -m bench.breakdown {command}`\n"
+                     "- spread: the interquartile range of a figure over its median; kernel times "
+                     "are summed over the executor's threads, so they may exceed the wall time\n\n"
                      + "\n".join(sections))
     return 0
 
