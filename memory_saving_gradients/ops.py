@@ -64,6 +64,8 @@ MATRIX_PRODUCTS = frozenset({"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMat
 #: Ops expensive to recompute, whose outputs the ``'speed'`` strategy keeps: the
 #: convolutions and matrix products, and grappler's fused forms of them.
 EXPENSIVE = CONVOLUTIONS | MATRIX_PRODUCTS | frozenset({"_FusedConv2D", "_FusedMatMul"})
+#: Fused batch normalisation (the forward ops).
+BATCH_NORMS = frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"})
 
 # -- what an op's registered gradient reads of the forward pass (besides shapes) ------------
 # Used by the memory model, and to decide whether a one-op segment is better

@@ -287,7 +287,12 @@ def op_seconds(op: tf.Operation, size: Callable[[tf.Tensor], int] = graph_lib.te
 
 def step_seconds(region: graph_lib.ForwardRegion, size: Sizer) -> tuple[float, float]:
     """The time model's (forward, backward) seconds of the region's ops: each op, and its
-    gradient (:func:`.timing.backward_seconds`) where a gradient flows through it."""
+    gradient (:func:`.timing.backward_seconds`) where a gradient flows through it.  The
+    same for every plan of the region: worked out once per ``Sizer``."""
+    return size.per_region(region, "step_seconds", lambda: _step_seconds(region, size))
+
+
+def _step_seconds(region: graph_lib.ForwardRegion, size: Sizer) -> tuple[float, float]:
     throughput = timing.current()
     forward = backward = 0.0
     for op in region.order:

@@ -1,6 +1,6 @@
 """The time model: how long an op takes, from its FLOPs and bytes and per-kind throughputs.
 
-Layer: foundation; imports: _tensorflow (inside calibrate and machine_key).
+Layer: foundation; imports: ops, _tensorflow (inside calibrate and machine_key).
 
 The model is a pure function of numbers (:func:`op_seconds`); the throughputs
 it uses come from :func:`calibrate`, which times a few kernels once on this
@@ -26,15 +26,15 @@ import threading
 import time
 from typing import Mapping, Optional
 
+from . import ops as op_types
+
 logger = logging.getLogger("memory_saving_gradients")
 
 #: The kinds of op the model tells apart, and the op types of each (others are "other").
 KIND_OP_TYPES: Mapping[str, frozenset] = {
-    "conv": frozenset({"Conv2D", "Conv3D", "DepthwiseConv2dNative", "_FusedConv2D",
-                       "Conv2DBackpropInput", "Conv2DBackpropFilter"}),
-    "matmul": frozenset({"MatMul", "_FusedMatMul", "BatchMatMul", "BatchMatMulV2",
-                         "BatchMatMulV3", "Einsum"}),
-    "norm": frozenset({"FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3"}),
+    "conv": op_types.CONVOLUTIONS | frozenset({"_FusedConv2D"}),
+    "matmul": op_types.MATRIX_PRODUCTS | frozenset({"_FusedMatMul"}),
+    "norm": op_types.BATCH_NORMS,
 }
 KINDS = ("conv", "matmul", "norm", "other")
 
