@@ -7,8 +7,8 @@ what lies between two chosen cuts is a segment.  When the backward pass
 reaches a segment, memory holds the tensors of every chosen cut before it
 (``kept``), plus what recomputing and differentiating the segment allocates
 (``segment_bytes``: the outputs of its copies that run, and gradients of
-the size of its largest tensor).  A segment costs the modelled time
-(``simulate.op_cost``) of its copies that run: a one-op segment whose
+the size of its largest tensor).  A segment costs the time model's seconds
+(``simulate.Sizer.cost``, :mod:`.timing`) of its copies that run: a one-op segment whose
 gradient reads none of its outputs is differentiated in place, for free.
 
 :func:`least_recompute` finds the chosen cuts with the least recomputation

@@ -27,7 +27,8 @@ class Plan:
       checkpoints: the tensors kept from the forward pass.
       predicted_peak_bytes: predicted peak of the backward pass with them.
       baseline_peak_bytes: predicted peak of plain ``tf.gradients``.
-      recompute_cost: extra forward work, as a fraction of one forward pass.
+      recompute_cost: the recomputation's time (the time model's seconds, :mod:`.timing`),
+        as a fraction of one forward pass's.
       strategy: the strategy name, or ``'list'`` for tensors given by the user.
       assumptions: what the memory model had to assume (unknown dimensions).
       recomputed_ops: ``(op type, count)`` of the copies the backward pass runs,

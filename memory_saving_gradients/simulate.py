@@ -60,7 +60,7 @@ class Prediction:
 
     @property
     def recompute_cost(self) -> float:
-        """Extra forward work, as a fraction of one forward pass."""
+        """The recomputation's time model seconds, as a fraction of one forward pass's."""
         return self.recompute_work / self.forward_work if self.forward_work else 0.0
 
     @property
@@ -166,11 +166,9 @@ class Sizer:
         return found[1]
 
     def cost(self, op: tf.Operation) -> float:
-        """:func:`op_cost`, with this Sizer's sizes."""
-        found = self._costs.get(op)
-        if found is None:
-            found = self._costs[op] = op_cost(op, self)
-        return found
+        """What recomputing ``op`` costs the planner: the time model's seconds
+        (:meth:`seconds`)."""
+        return self.seconds(op)
 
     def seconds(self, op: tf.Operation) -> float:
         """:func:`op_seconds`, with this Sizer's sizes."""
@@ -258,22 +256,6 @@ def op_flops(op: tf.Operation, shape: Callable[[tf.Tensor], list | None] = _stat
     if op.type.startswith("FusedBatchNorm"):
         return BATCH_NORM_FLOPS_PER_ELEMENT * out  # statistics, then normalisation
     return float(out)
-
-
-#: A byte read or written costs as much as this many flops: on CPUs and GPUs
-#: alike, elementwise ops and normalisations are bound by memory traffic.
-BYTE_COST = 4.0
-
-
-def op_cost(op: tf.Operation, size: Callable[[tf.Tensor], int] = graph_lib.tensor_bytes) -> float:
-    """Modelled time of one op, in flops: its arithmetic plus its memory traffic.
-
-    Recomputation is priced with this, so that a plan that recomputes many
-    cheap-looking normalisations is not mistaken for a free one.
-    """
-    traffic = sum(size(t) for t in list(op.inputs) + list(op.outputs))
-    shape = getattr(size, "shape", _static_shape)  # a Sizer estimates unknown dimensions
-    return op_flops(op, shape) + BYTE_COST * traffic
 
 
 def op_seconds(op: tf.Operation, size: Callable[[tf.Tensor], int] = graph_lib.tensor_bytes) -> float:

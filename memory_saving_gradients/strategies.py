@@ -481,7 +481,7 @@ def _best_trade(candidates, least_peak, limit, forward_work) -> Proposal:
     the least peak among them is taken."""
 
     def score(p):
-        return p.model_work / max(forward_work, 1.0) + MEMORY_WEIGHT * p.peak / max(least_peak, 1)
+        return p.model_work / (forward_work or 1.0) + MEMORY_WEIGHT * p.peak / max(least_peak, 1)
 
     within = [p for p in candidates if p.peak <= limit]
     best = min(score(p) for p in within)

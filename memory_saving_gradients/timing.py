@@ -5,9 +5,10 @@ Layer: foundation; imports: ops, _tensorflow (inside calibrate and machine_key).
 The model is a pure function of numbers (:func:`op_seconds`); the throughputs
 it uses come from :func:`calibrate`, which times a few kernels once on this
 machine in a private graph and caches them, or from :data:`DEFAULT` until
-then.  ``simulate.op_seconds`` prices each op with it, and ``plan()`` predicts
-the step-time ratio from it (``Plan.predicted_step_ratio``).  The planner's
-choices between plans still weigh recomputation with ``simulate.op_cost``.
+then.  ``simulate.op_seconds`` prices each op with it: the planner weighs
+recomputation in these seconds (``Sizer.cost``), so budgets and ``'balanced'``
+pick the plan that recomputes least in time, and ``plan()`` predicts the
+step-time ratio from them (``Plan.predicted_step_ratio``).
 
 An op is ``max(flops / rate(kind), bytes / bandwidth) + seconds_per_op``: a
 roofline with a fixed cost per kernel (the executor's scheduling, which a plan

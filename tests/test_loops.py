@@ -439,32 +439,37 @@ def _reads_output_of(copy, ops, dtype) -> bool:
 
 
 def test_loop_kept_whole_rest_recomputed():
-    """A loop plus a deep MLP after it: the plan keeps tensors after the loop, the dense
-    layers' copies run and one of them reads the loop's variant output; gradients equal."""
+    """A loop plus a deep MLP after it: 'memory' keeps tensors after the loop and the dense
+    layers' copies run; with the stacked output left out of a checkpoint list, a copy reads
+    the loop's variant output (the stack is recomputed from it); gradients equal."""
     x_value, u_value, w_values = _values()
 
     @tf.function
     def step(x, u, ws):
-        loss = _while_writes(x, u, ws, [])
+        marks = []
+        loss = _while_writes(x, u, ws, marks)
         graph = loss.graph
         loops = [op for op in graph.get_operations() if op.type in ("While", "StatelessWhile")]
         plan = msg.plan(loss, [u] + ws, "memory")
         assert plan.checkpoints and all(t.op not in loops for t in plan.checkpoints), plan
         reference = tf.compat.v1.gradients(loss, [u] + ws)
-        before = _last_id(graph)
-        ours = msg.gradients(loss, [u] + ws, checkpoints="memory")
-        copies = [op for op in graph.get_operations()
-                  if op._id > before and "/recompute_" in op.name]  # pylint: disable=protected-access
-        types = [op.type for op in copies]
-        assert types.count("MatMul") >= 2 and "Tanh" in types, types
-        assert not set(types) & {"While", "StatelessWhile"}, types
+        results = {}
+        for name, checkpoints in (("memory", "memory"), ("list", marks[2::2])):
+            before = _last_id(graph)
+            results[name] = msg.gradients(loss, [u] + ws, checkpoints=checkpoints)
+            copies = [op for op in graph.get_operations()
+                      if op._id > before and "/recompute_" in op.name]  # pylint: disable=protected-access
+            types = [op.type for op in copies]
+            assert types.count("MatMul") >= 2 and "Tanh" in types, (name, types)
+            assert not set(types) & {"While", "StatelessWhile"}, (name, types)
         assert any(_reads_output_of(op, loops, tf.variant) for op in copies), \
             "no copy reads the loop's variant output"
-        return reference, ours
+        return reference, results
 
-    reference, ours = step(tf.constant(x_value), tf.constant(u_value),
-                           [tf.constant(w) for w in w_values])
-    _assert_same(_numpy(reference), _numpy(ours), "while_writes/memory")
+    reference, results = step(tf.constant(x_value), tf.constant(u_value),
+                              [tf.constant(w) for w in w_values])
+    for name, ours in results.items():
+        _assert_same(_numpy(reference), _numpy(ours), f"while_writes/{name}")
 
 
 # ----------------------------------------------------------------- Keras RNN layers
