@@ -13,7 +13,10 @@ interval and sorts it into a phase by the name scope the graph gave it:
 
 *Time outside kernels* is the step's wall time minus the union of all kernel
 intervals: executor scheduling, Python and session overhead, and waits in
-which no kernel runs.  Figures are medians over the traced steps; the spread
+which no kernel runs.  *Nodes* counts the executed nodes of each phase (the
+recompute phase's are the copies that ran, and the identities before their
+inputs); *overlap* is the kernel time summed over threads over the time some
+kernel runs: how many kernels run side by side, on average.  Figures are medians over the traced steps; the spread
 of a figure is its interquartile range over its median.  Tracing adds its own cost
 to every node, the same for every variant, so compare variants within one
 run, never against untraced step times.
@@ -145,6 +148,14 @@ FIGURES = {
     "outside": lambda s: s.outside,
 }
 
+#: Counted per step, besides the timed figures.
+COUNTS = {
+    "forward nodes": lambda s: s.nodes.get("forward", 0),
+    "recompute nodes": lambda s: s.nodes.get("recompute", 0),
+    "backward nodes": lambda s: s.nodes.get("backward", 0),
+    "overlap": lambda s: sum(s.kernel.values()) / s.busy if s.busy else 0.0,
+}
+
 
 def measure(prepared: Sequence, steps: int = 10, warmup: int = 1) -> List[Breakdown]:
     """``warmup`` untraced rounds, then ``steps`` traced rounds of every ready variant in turn."""
@@ -164,7 +175,7 @@ def table(breakdowns: Sequence[Breakdown], baseline: str = "tf.gradients") -> st
     """Markdown: per variant, milliseconds (spread) of each figure and its ratio to the baseline's."""
     base = next((b for b in breakdowns if b.variant == baseline), None)
     head = ["variant"] + [f"{name} ms (spread)" for name in FIGURES] + [
-        f"{name} / {baseline}" for name in ("wall", "backward", "outside")]
+        f"{name} / {baseline}" for name in ("wall", "backward", "outside")] + list(COUNTS)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b in breakdowns:
         cells = [b.variant]
@@ -175,15 +186,23 @@ def table(breakdowns: Sequence[Breakdown], baseline: str = "tf.gradients") -> st
         for name in ("wall", "backward", "outside"):
             denominator = base.median(FIGURES[name]) if base else 0.0
             cells.append(f"{b.median(FIGURES[name]) / denominator:.2f}x" if denominator else "-")
+        for name, count in COUNTS.items():
+            value = b.median(count)
+            cells.append(f"{value:.2f}" if name == "overlap" else f"{value:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def op_type_table(breakdowns: Sequence[Breakdown], phase: str = "backward", top: int = 12,
                   baseline: str = "tf.gradients") -> str:
-    """Markdown: the ``top`` op types by the baseline's kernel time in ``phase``, per variant."""
+    """Markdown: the ``top`` op types by the baseline's kernel time in ``phase`` (by the
+    largest of any variant's, for a phase the baseline lacks), per variant."""
     per_variant = {b.variant: b.op_types(phase) for b in breakdowns}
-    base = per_variant.get(baseline) or next(iter(per_variant.values()), {})
+    base = per_variant.get(baseline) or {}
+    if not base:
+        for times in per_variant.values():
+            for kind, seconds in times.items():
+                base[kind] = max(base.get(kind, 0.0), seconds)
     kinds = sorted(base, key=base.get, reverse=True)[:top]
     head = ["op type"] + [f"{v} ms" for v in per_variant]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -247,7 +266,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         name = f"breakdown_{spec.name}_{len(sections)}.png"
         plot(breakdowns, os.path.join(args.out, name), label)
         sections.append(f"## {label}\n\n{table(breakdowns)}\n\nBackward kernels by op type:\n\n"
-                        f"{op_type_table(breakdowns)}\n\n![{label}]({name})\n")
+                        f"{op_type_table(breakdowns)}\n\nRecomputed kernels by op type:\n\n"
+                        f"{op_type_table(breakdowns, phase='recompute')}\n\n![{label}]({name})\n")
         print(sections[-1], flush=True)
     with open(os.path.join(args.out, "breakdown.md"), "w", encoding="utf-8") as handle:
         command = " ".join(sys.argv[1:] if argv is None else argv)

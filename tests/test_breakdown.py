@@ -53,3 +53,9 @@ def test_traced_steps_of_a_tiny_chain_split_into_phases():
         assert 0 < b.median(breakdown.FIGURES["wall"])
     text = breakdown.table([plain, ours])
     assert "memory" in text and "1.00x" in text
+    assert breakdown.COUNTS["recompute nodes"](ours.steps[0]) > 0
+    assert breakdown.COUNTS["recompute nodes"](plain.steps[0]) == 0
+    assert all(breakdown.COUNTS["overlap"](s) >= 0.99 for s in plain.steps + ours.steps)
+    # a phase the baseline lacks is ranked by the variants that have it
+    recomputed = breakdown.op_type_table([plain, ours], phase="recompute")
+    assert "Tanh" in recomputed, recomputed
