@@ -8,7 +8,8 @@ variants measured in the same process under the same load.
 With ``frontier`` points, each model size also gets that many
 ``checkpoints='memory'`` runs with ``memory_budget`` spaced evenly in ratio
 from the least predicted peak ('memory''s own plan) to plain
-``tf.gradients``' predicted peak: the memory/time frontier, timed in the
+``tf.gradients``' predicted peak, and one at each anchor's measured peak
+(:func:`frontier_budgets`): the memory/time frontier, timed in the
 same interleaved rounds as the anchors (variant ``'frontier'``).  Each
 group's timing noise (:func:`timing_noise`) is kept on its rows.
 """
@@ -105,28 +106,44 @@ def add_ratios(group: Sequence[Row]) -> None:
             row.cpu_ratio = res.median_step_cpu_seconds / base.result.median_step_cpu_seconds
 
 
+#: Anchors whose measured peak also gets a frontier point budgeted at it.
+ANCHORED = ("recompute_grad", "grappler-recompute", "collection", "speed")
+
+
 def frontier_budgets(prepared, points: int) -> List[int]:
-    """``points`` budgets from the least predicted peak to the baseline's, even in ratio.
+    """``points`` budgets from the least predicted peak to the baseline's, even in ratio,
+    and one at each anchor's measured peak (:data:`ANCHORED`) between them.
 
     The least peak is the 'memory' variant's prediction (planned here when the
     sweep did not run that variant); the first budget is 1% above it, so that
-    rounding does not make it infeasible.
+    rounding does not make it infeasible.  A budget at an anchor's measured peak
+    asks for the plan that recomputes least within it, which the frontier is
+    compared with at that peak.  Budgets within 1% of another are dropped.
     """
     if points <= 0:
         return []
     least = base = None
+    anchored = []
     for p in prepared:
         res = p.result
         if res.variant == "memory" and res.predicted_peak_bytes:
             least = res.predicted_peak_bytes
         if res.baseline_predicted_bytes:
             base = res.baseline_predicted_bytes
+        if res.variant in ANCHORED and res.ok and res.peak_bytes:
+            anchored.append(res.peak_bytes)
     if least is None or base is None:
         return []
     least *= 1.01
     if points == 1 or base <= least:
-        return [int(least)]
-    return [int(least * (base / least) ** (k / (points - 1))) for k in range(points)]
+        even = [int(least)]
+    else:
+        even = [int(least * (base / least) ** (k / (points - 1))) for k in range(points)]
+    budgets: List[int] = []
+    for budget in sorted(even + [int(b) for b in anchored if least < b < base]):
+        if not budgets or budget > budgets[-1] * 1.01:
+            budgets.append(budget)
+    return budgets
 
 
 def timing_noise(times: Sequence[Sequence[float]]) -> Optional[float]:

@@ -360,3 +360,26 @@ def test_cli_largest_batch_writes_its_table_and_every_answer_fits(tmp_path):
     plain, ours = (int(r["batch"]) for r in rows[2:])
     assert ours > plain  # the U-Net trains a larger batch with 'memory'
     assert "The largest batch that fits" in (tmp_path / "largest_batch.md").read_text()
+
+
+@pytest.mark.unit
+def test_frontier_budgets_span_the_range_and_sit_at_each_anchors_peak():
+    from bench import sweep
+    from bench.core import Result
+
+    def prepared(variant, peak=None, predicted=None, baseline=None, error=None):
+        result = Result(model="m", size="s", batch=1, variant=variant, peak_bytes=peak,
+                        predicted_peak_bytes=predicted, baseline_predicted_bytes=baseline,
+                        error=error)
+        return types.SimpleNamespace(result=result)
+
+    group = [prepared("tf.gradients", 1000, baseline=1000), prepared("memory", 95, predicted=100),
+             prepared("recompute_grad", 250), prepared("speed", 500), prepared("collection", 251),
+             prepared("grappler-recompute", 300, error="failed")]
+    budgets = sweep.frontier_budgets(group, 3)
+    assert budgets[0] == 101 and budgets[-1] == 1000  # 1% above 'memory''s prediction, plain's
+    assert 250 in budgets and 500 in budgets  # at the anchors' measured peaks
+    assert 251 not in budgets  # within 1% of another budget
+    assert 300 not in budgets  # an anchor that failed has no peak to sit at
+    assert budgets == sorted(budgets)
+    assert sweep.frontier_budgets(group, 0) == []
