@@ -64,6 +64,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fits-depth", type=int, default=56, help="depth for the batch search")
     p.add_argument("--fits-variants", default=",".join(DEFAULT_FITS_VARIANTS),
                    help="variants searched for the cap (memory+budget: the cap as its budget)")
+    p.add_argument("--fits-time-limit", type=float, default=0, metavar="X",
+                   help="also search the largest ResNet depth that fits the cap with its step at "
+                   "most X times tf.gradients' CPU time per step (e.g. 1.25), 'memory' with a "
+                   "budget chosen for the cap per depth, timed against tf.gradients at that depth "
+                   "(0: off, the default: each probe builds and times two steps, several minutes "
+                   "at the default cap)")
     p.add_argument("--train-steps", type=int, default=None,
                    help="SGD steps of the transformer for the loss-curve check (0: skip; "
                    "default 50, quick: 5)")
@@ -78,6 +84,10 @@ def parser() -> argparse.ArgumentParser:
                    "predicted peak to tf.gradients' (even in ratio), timed with the anchors; "
                    "writes pareto.png (needs the 'memory' variant; 0: off, the default, "
                    "as 8 points on the default models take longer than the 15-minute sweep)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run the sweep N times (every model size rebuilt, traced and timed again "
+                   "in each); the frontier checks get one table per run and a table of whether "
+                   "each holds in every run")
     p.add_argument("--xla", action="store_true",
                    help="also compile each model's gradient step with tf.function(jit_compile="
                    "True): XLA temp memory (its buffer assignment) and step time of "
@@ -163,7 +173,7 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{device or 'the default device (CPU)'}; output in {args.out}/")
     rows = sweep.run_sweep(specs, runnable, steps=steps, budget_fraction=args.budget_fraction,
                            device=device, progress=not args.no_progress,
-                           frontier=args.frontier)
+                           frontier=args.frontier, repeats=args.repeats)
 
     fit_results = None
     if args.cap_mb > 0 and "resnet" in _csv(args.models):
@@ -315,11 +325,23 @@ def _fits(args, rows, specs, device, fits_lib, models):
         known = {}
         what = f"batch of ResNet-{depth}"
     print(f"Fits in {args.cap_mb:g} MB: largest {what}, for {', '.join(fit_variants)} ...")
-    return fits_lib.fits_in(args.cap_mb, fit_variants, spec_for, axis, known=known, device=device,
-                            budget_fraction=args.budget_fraction,
-                            on_probe=lambda v, x, mb: print(
-                                f"  {v}: {axis.name} {x}: " + ("error" if mb is None else f"{mb:.1f} MB"),
-                                flush=True))
+    found = fits_lib.fits_in(args.cap_mb, fit_variants, spec_for, axis, known=known, device=device,
+                             budget_fraction=args.budget_fraction,
+                             on_probe=lambda v, x, mb: print(
+                                 f"  {v}: {axis.name} {x}: " + ("error" if mb is None else f"{mb:.1f} MB"),
+                                 flush=True))
+    if args.fits_time_limit > 0:
+        print(f"Fits in {args.cap_mb:g} MB with the step at most {args.fits_time_limit:g}x "
+              f"tf.gradients' CPU time: largest {what}, 'memory' with a budget chosen for the cap ...")
+        found.append(fits_lib.fits_in_time(
+            args.cap_mb, args.fits_time_limit, spec_for, axis,
+            k_guess=fits_lib.time_guess_index(found, axis), device=device,
+            on_probe=lambda p: print(f"  {axis.name} {p.value}: budget {p.budget_mb:.3g} MB, "
+                                     + ("error" if p.peak_mb is None else f"{p.peak_mb:.1f} MB")
+                                     + ("" if p.time_ratio is None else f", {p.time_ratio:.2f}x CPU time"),
+                                     flush=True)))
+        fits_lib.add_ratios(found)
+    return found
 
 
 def _scaling_section(sizes: List[int]) -> Optional[str]:
