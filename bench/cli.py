@@ -1,5 +1,11 @@
 """``python -m bench``: the sweep, the fits-in-N-MB search,
-the training check, and the tables and plots, from one command."""
+the training check, and the tables and plots, from one command.
+
+``--repeats N`` runs the sweep N times (the frontier checks per run and in
+every run); ``--fits-time-limit X`` (off by default: several minutes at the
+default cap) adds the fits row of the largest ResNet depth whose step, with a
+budget chosen for the cap, takes at most X times plain tf.gradients' CPU time
+(:func:`bench.fits.fits_in_time`)."""
 
 from __future__ import annotations
 

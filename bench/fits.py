@@ -10,11 +10,12 @@ With a time limit (``python -m bench --fits-time-limit 1.25``), one more row:
 the largest ResNet depth that fits the cap with its step at most that many
 times plain ``tf.gradients``' CPU time per step at the same depth
 (:func:`fits_in_time`).  Each depth gets a budget chosen for the cap:
-``'memory'`` with ``memory_budget`` = the cap, lowered by the measured
-overshoot when the traced peak is above the cap (at most
-``BUDGET_RETRIES`` times); a depth whose peak fits is timed interleaved
-with ``tf.gradients`` (``TIME_STEPS`` steps after one warm-up) and accepted
-when its CPU-time ratio is within the limit.  The same gallop and bisection
+``'memory'`` with ``memory_budget`` = the cap, then moved by the measured
+gap between the traced peak and the cap (down when above it, up when more
+than ``BUDGET_SLACK`` below) and built again, at most ``BUDGET_RETRIES``
+times; the build that fits with the largest budget is timed interleaved
+with ``tf.gradients`` (``TIME_STEPS`` steps after one warm-up) and the depth
+accepted when its CPU-time ratio is within the limit.  The same gallop and bisection
 find the largest accepted depth (the ratio grows with depth at a fixed cap,
 as the budget leaves less of the activations kept).
 """
@@ -31,8 +32,10 @@ from . import core
 
 #: The headline's limit: the step at most this many times plain tf.gradients' CPU time.
 DEFAULT_TIME_LIMIT = 1.25
-#: Times a depth's budget is lowered by the measured overshoot before it counts as not fitting.
+#: Times a depth's budget is moved by the measured gap to the cap (and the step built again).
 BUDGET_RETRIES = 2
+#: A measured peak this close under the cap (a fraction of it) leaves the budget as it is.
+BUDGET_SLACK = 0.02
 #: Timed steps (after one warm-up) of a depth's budgeted step and plain tf.gradients, interleaved.
 TIME_STEPS = 5
 #: The row's variant name in the fits table and fits.csv.
@@ -249,26 +252,39 @@ class TimedProbe:
 
 def probe_with_budget(value: int, build: Callable[[int], Candidate], cap_mb: float,
                       retries: int = BUDGET_RETRIES) -> TimedProbe:
-    """Build ``build(budget_bytes)`` with the cap as its budget; while its measured peak is
-    above the cap, lower the budget by the overshoot and build again (``retries`` times at
-    most); time the first that fits."""
+    """Fit a budget to the cap: build ``build(budget_bytes)`` with the cap as its budget;
+    move the budget by the measured gap to the cap (down when the peak is above it, up
+    when it is more than BUDGET_SLACK below) and build again, ``retries`` times at most;
+    time the build that fits with the largest budget (the least recomputation)."""
     budget = int(cap_mb * MIB)
-    probe = TimedProbe(value, budget / MIB, None)
-    for _ in range(retries + 1):
-        candidate = build(budget)
-        try:
-            probe = TimedProbe(value, budget / MIB, candidate.peak_mb, error=candidate.error)
+    last = TimedProbe(value, budget / MIB, None)
+    best: Optional[Tuple[int, Candidate]] = None
+    try:
+        for _ in range(retries + 1):
+            candidate = build(budget)
+            last = TimedProbe(value, budget / MIB, candidate.peak_mb, error=candidate.error)
+            fitted = candidate.peak_mb is not None and candidate.peak_mb <= cap_mb
+            if fitted and (best is None or budget > best[0]):
+                if best is not None:
+                    best[1].close()
+                best = (budget, candidate)
+            else:
+                candidate.close()
             if candidate.peak_mb is None:
-                return probe
-            if candidate.peak_mb <= cap_mb:
-                probe.time_ratio = candidate.time_ratio()
-                return probe
-        finally:
-            candidate.close()
-        budget -= int((candidate.peak_mb - cap_mb) * MIB)
-        if budget <= 0:
-            break
-    return probe
+                break
+            gap = cap_mb - candidate.peak_mb
+            if 0 <= gap <= BUDGET_SLACK * cap_mb:
+                break
+            budget += int(gap * MIB)
+            if budget <= 0:
+                break
+        if best is None:
+            return last
+        budget, candidate = best
+        return TimedProbe(value, budget / MIB, candidate.peak_mb, time_ratio=candidate.time_ratio())
+    finally:
+        if best is not None:
+            best[1].close()
 
 
 class _BudgetedStep:

@@ -185,7 +185,7 @@ class FakeStep:
         return 1 + 0.4 * max(0.0, 1 - self.budget_mb / plain)
 
     def close(self):
-        pass
+        self.log.append(("close", self.depth, self.budget_mb))
 
 
 @pytest.mark.unit
@@ -220,7 +220,7 @@ def test_fits_in_time_gives_up_on_a_depth_after_the_retries_and_never_times_it()
     # the least peak is above the cap from depth 400: the budget never fits
     probe = fits.probe_with_budget(410, lambda b: FakeStep(log, 410, b, overshoot=1.0), 20.0)
     assert probe.peak_mb > 20.0 and probe.time_ratio is None
-    assert [kind for kind, _, _ in log] == ["build"] * (fits.BUDGET_RETRIES + 1)
+    assert [kind for kind, _, _ in log if kind != "close"] == ["build"] * (fits.BUDGET_RETRIES + 1)
     assert not probe.accepted(20.0, 1.25)
 
     # an infeasible budget (the planner's least peak above it) does not fit either
@@ -228,7 +228,34 @@ def test_fits_in_time_gives_up_on_a_depth_after_the_retries_and_never_times_it()
     fit = fits.fits_in_time(20.0, 1.25, None, fits.Axis("depth", lambda k: 6 * k + 2, lambda v: v, 3),
                             build=lambda d, b: FakeStep(log, d, b, infeasible_below=100))
     assert fit.largest is None and "cannot be met" in fit.error
-    assert all(kind == "build" for kind, _, _ in log)
+    assert "time" not in [kind for kind, _, _ in log]
+
+
+@pytest.mark.unit
+def test_budget_rises_when_the_peak_is_well_under_the_cap_and_the_largest_fitting_one_is_timed():
+    log = []
+    # the planner over-predicts by 3 MB: 20 MB peaks at 17, so the budget goes up to 23
+    probe = fits.probe_with_budget(62, lambda b: FakeStep(log, 62, b, overshoot=-3.0), 20.0)
+    assert (probe.budget_mb, probe.peak_mb) == (pytest.approx(23.0), pytest.approx(20.0))
+    assert [(kind, b) for kind, _, b in log] == [
+        ("build", 20.0), ("build", pytest.approx(23.0)), ("close", 20.0),
+        ("time", pytest.approx(23.0)), ("close", pytest.approx(23.0))]
+
+    # a plan that jumps above the cap past 22 MB: back down, and the larger of the two
+    # budgets that fit (20 MB, not 19) is the one timed
+    def jumping(budget_bytes):
+        step = FakeStep(log, 62, budget_bytes, overshoot=-3.0)
+        if step.budget_mb > 22:
+            step.peak_mb = step.budget_mb + 1
+        return step
+
+    log.clear()
+    probe = fits.probe_with_budget(62, jumping, 20.0)
+    assert probe.budget_mb == pytest.approx(20.0) and probe.peak_mb == pytest.approx(17.0)
+    assert [b for kind, _, b in log if kind == "build"] == [20.0, pytest.approx(23.0), pytest.approx(19.0)]
+    assert [b for kind, _, b in log if kind == "time"] == [20.0]
+    assert sorted(b for kind, _, b in log if kind == "close") == sorted(
+        b for kind, _, b in log if kind == "build")  # every session released
 
 
 @pytest.mark.unit
