@@ -6,17 +6,17 @@ or the batch) for the largest value whose *measured* peak (one traced step,
 (a power law fitted to the sweep's peaks, when there are any), gallops out
 to bracket the answer, then bisects; every probe is a measurement.
 
-With a time limit (``python -m bench --fits-time-limit 1.25``), one more row:
-the largest ResNet depth that fits the cap with its step at most that many
-times plain ``tf.gradients``' CPU time per step at the same depth
-(:func:`fits_in_time`).  Each depth gets a budget chosen for the cap:
+With a time limit (``python -m bench --fits-time-limit 1.25``, the
+default), one more row: the largest ResNet depth that fits the cap with its
+step at most that many times plain ``tf.gradients``' CPU time per step at
+the same depth (:func:`fits_in_time`).  Each depth gets a budget chosen for the cap:
 ``'memory'`` with ``memory_budget`` = the cap, then moved by the measured
 gap between the traced peak and the cap (down when above it, up when more
 than ``BUDGET_SLACK`` below) and built again, at most ``BUDGET_RETRIES``
 times; the build that fits with the largest budget is timed interleaved
-with ``tf.gradients`` (``TIME_STEPS`` steps after one warm-up) and the depth
-accepted when its CPU-time ratio is within the limit.  The same gallop and bisection
-find the largest accepted depth (the ratio grows with depth at a fixed cap,
+with ``tf.gradients`` (``TIME_STEPS`` steps after one warm-up) and the
+depth accepted when its CPU-time ratio is within the limit.  The same gallop
+and bisection find the largest accepted depth (the ratio grows with depth at a fixed cap,
 as the budget leaves less of the activations kept).
 """
 
@@ -36,7 +36,8 @@ DEFAULT_TIME_LIMIT = 1.25
 BUDGET_RETRIES = 2
 #: A measured peak this close under the cap (a fraction of it) leaves the budget as it is.
 BUDGET_SLACK = 0.02
-#: Timed steps (after one warm-up) of a depth's budgeted step and plain tf.gradients, interleaved.
+#: Timed steps (after one warm-up) of a depth's budgeted step and plain tf.gradients, interleaved
+#: (the default of fits_in_time; ``python -m bench`` uses its ``--steps``).
 TIME_STEPS = 5
 #: The row's variant name in the fits table and fits.csv.
 TIMED_VARIANT = "memory, budget chosen for the cap"
@@ -290,8 +291,8 @@ def probe_with_budget(value: int, build: Callable[[int], Candidate], cap_mb: flo
 class _BudgetedStep:
     """The real :class:`Candidate`: 'memory+budget' prepared at one size (core.prepare)."""
 
-    def __init__(self, spec: core.ModelSpec, budget_bytes: int, device: str):
-        self._spec, self._device = spec, device
+    def __init__(self, spec: core.ModelSpec, budget_bytes: int, device: str, steps: int = TIME_STEPS):
+        self._spec, self._device, self._steps = spec, device, steps
         self._point = core.prepare(spec, "memory+budget", check_grads=False, device=device,
                                    predict=False, budget_bytes=budget_bytes)
         res = self._point.result
@@ -302,7 +303,7 @@ class _BudgetedStep:
         plain = core.prepare(self._spec, "tf.gradients", check_grads=False, device=self._device,
                              predict=False)
         try:
-            core.time_interleaved([plain, self._point], TIME_STEPS)
+            core.time_interleaved([plain, self._point], self._steps)
         finally:
             plain.close()
         ours = self._point.result.median_step_cpu_seconds
@@ -322,14 +323,16 @@ def fits_in_time(
     device: str = "",
     on_probe: Optional[Callable[[TimedProbe], None]] = None,
     build: Optional[Callable[[int, int], Candidate]] = None,
+    steps: int = TIME_STEPS,
 ) -> Fit:
     """The largest ``axis`` value whose step, with a budget chosen for the cap
     (:func:`probe_with_budget`), fits ``cap_mb`` at most ``time_limit`` times plain
     tf.gradients' CPU time per step.  ``build(value, budget_bytes)`` makes a
-    :class:`Candidate` (default: 'memory+budget' of ``spec_for(value)``)."""
+    :class:`Candidate` (default: 'memory+budget' of ``spec_for(value)``, timed over
+    ``steps`` steps)."""
     if build is None:
         def build(value, budget_bytes):
-            return _BudgetedStep(spec_for(value), budget_bytes, device)
+            return _BudgetedStep(spec_for(value), budget_bytes, device, steps)
 
     name = f"{TIMED_VARIANT}, step <= {time_limit:g}x tf.gradients"
     why_not = core.library_available("memory+budget")

@@ -282,7 +282,7 @@ def test_fits_csv_has_the_timed_row(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.memory
-def test_cli_repeats_and_fits_time_limit_write_their_tables(tmp_path):
+def test_cli_repeats_and_fits_time_limit_write_their_tables(tmp_path, capsys):
     out = tmp_path / "bench"
     code = cli.main([
         "--quick", "--models", "resnet", "--depths", "8", "--variants", "tf.gradients,memory",
@@ -293,6 +293,7 @@ def test_cli_repeats_and_fits_time_limit_write_their_tables(tmp_path):
     assert code == 0
     md = (out / "results.md").read_text()
     assert "## Holds in every run" in md and "Run 2 of 2:" in md
+    assert "Frontier checks in each of the 2 runs" in capsys.readouterr().out
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
     assert sorted({r["run"] for r in rows}) == ["1", "2"] and len(rows) == 8
