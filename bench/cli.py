@@ -1,5 +1,11 @@
 """``python -m bench``: the sweep, the fits-in-N-MB search,
-the training check, and the tables and plots, from one command."""
+the training check, and the tables and plots, from one command.
+
+``--repeats N`` runs the sweep N times (the frontier checks per run and in
+every run); ``--fits-time-limit X`` (default 1.25, 0: off) adds the fits row
+of the largest ResNet depth whose step, with a budget chosen for the cap,
+takes at most X times plain tf.gradients' CPU time
+(:func:`bench.fits.fits_in_time`)."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ from typing import List, Optional
 from memory_saving_gradients._units import MIB
 
 from . import core
+from .fits import DEFAULT_TIME_LIMIT
 
 DEFAULT_VARIANTS = tuple(v for v in core.VARIANTS if v != "tf.function")
 DEFAULT_FITS_VARIANTS = ("tf.gradients", "recompute_grad", "memory")  # + memory+budget: --fits-variants
@@ -53,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
                    help="memory+budget: memory_budget as a fraction of plan()'s predicted "
                    "tf.gradients peak")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per variant, after one untimed round (default 8; quick: 2)")
+                   help="timed steps per variant, after one untimed round, in the sweep and the "
+                   "timed fits search (default 8; quick: 2)")
     p.add_argument("--cap-mb", type=float, default=None,
                    help="'fits in N MB': the memory cap (0: skip the search; default 48, "
                    "quick: 0.6)")
@@ -64,6 +72,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fits-depth", type=int, default=56, help="depth for the batch search")
     p.add_argument("--fits-variants", default=",".join(DEFAULT_FITS_VARIANTS),
                    help="variants searched for the cap (memory+budget: the cap as its budget)")
+    p.add_argument("--fits-time-limit", type=float, default=None, metavar="X",
+                   help="also search the largest ResNet depth that fits the cap with its step at "
+                   "most X times tf.gradients' CPU time per step, 'memory' with a budget chosen "
+                   "for the cap per depth, timed (--steps) against tf.gradients at that depth "
+                   f"(default {DEFAULT_TIME_LIMIT:g}; 0: off; each probe builds two or three steps)")
     p.add_argument("--train-steps", type=int, default=None,
                    help="SGD steps of the transformer for the loss-curve check (0: skip; "
                    "default 50, quick: 5)")
@@ -78,6 +91,10 @@ def parser() -> argparse.ArgumentParser:
                    "predicted peak to tf.gradients' (even in ratio), timed with the anchors; "
                    "writes pareto.png (needs the 'memory' variant; 0: off, the default, "
                    "as 8 points on the default models take longer than the 15-minute sweep)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run the sweep N times (every model size rebuilt, traced and timed again "
+                   "in each); the frontier checks get one table per run and a table of whether "
+                   "each holds in every run")
     p.add_argument("--xla", action="store_true",
                    help="also compile each model's gradient step with tf.function(jit_compile="
                    "True): XLA temp memory (its buffer assignment) and step time of "
@@ -163,7 +180,7 @@ def main(argv: Optional[List[str]] = None) -> int:
           f"{device or 'the default device (CPU)'}; output in {args.out}/")
     rows = sweep.run_sweep(specs, runnable, steps=steps, budget_fraction=args.budget_fraction,
                            device=device, progress=not args.no_progress,
-                           frontier=args.frontier)
+                           frontier=args.frontier, repeats=args.repeats)
 
     fit_results = None
     if args.cap_mb > 0 and "resnet" in _csv(args.models):
@@ -218,6 +235,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print()
     print("Summary (peak and CPU time per step, as ratios to tf.gradients):")
     print(report.summary_table(rows))
+    runs = sorted({row.run for row in rows})
+    every = report.every_run_summary(rows) if len(runs) > 1 else []
+    if every:
+        print()
+        print(f"Frontier checks in each of the {len(runs)} runs (results.md has the figures):")
+        print(report.every_run_table(every, runs))
     print()
     print(f"Wall time {wall:.0f} s. Written: " + ", ".join(sorted(written.values())))
     bad = [r for r in rows if r.result.grads_equal is False]
@@ -286,7 +309,8 @@ def _largest_batch_main(args, argv, device, started, load_before, tf) -> int:
 def _quick_defaults(args) -> None:
     """Fill the options left unset: full defaults, or tiny ones with --quick."""
     for name, full, quick in (("steps", 8, 2), ("cap_mb", 48.0, 0.6), ("train_steps", 50, 5),
-                              ("scaling_sizes", "2500", "none")):
+                              ("scaling_sizes", "2500", "none"),
+                              ("fits_time_limit", DEFAULT_TIME_LIMIT, DEFAULT_TIME_LIMIT)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
 
@@ -315,11 +339,23 @@ def _fits(args, rows, specs, device, fits_lib, models):
         known = {}
         what = f"batch of ResNet-{depth}"
     print(f"Fits in {args.cap_mb:g} MB: largest {what}, for {', '.join(fit_variants)} ...")
-    return fits_lib.fits_in(args.cap_mb, fit_variants, spec_for, axis, known=known, device=device,
-                            budget_fraction=args.budget_fraction,
-                            on_probe=lambda v, x, mb: print(
-                                f"  {v}: {axis.name} {x}: " + ("error" if mb is None else f"{mb:.1f} MB"),
-                                flush=True))
+    found = fits_lib.fits_in(args.cap_mb, fit_variants, spec_for, axis, known=known, device=device,
+                             budget_fraction=args.budget_fraction,
+                             on_probe=lambda v, x, mb: print(
+                                 f"  {v}: {axis.name} {x}: " + ("error" if mb is None else f"{mb:.1f} MB"),
+                                 flush=True))
+    if args.fits_time_limit > 0:
+        print(f"Fits in {args.cap_mb:g} MB with the step at most {args.fits_time_limit:g}x "
+              f"tf.gradients' CPU time: largest {what}, 'memory' with a budget chosen for the cap ...")
+        found.append(fits_lib.fits_in_time(
+            args.cap_mb, args.fits_time_limit, spec_for, axis,
+            k_guess=fits_lib.time_guess_index(found, axis), device=device, steps=args.steps,
+            on_probe=lambda p: print(f"  {axis.name} {p.value}: budget {p.budget_mb:.3g} MB, "
+                                     + ("error" if p.peak_mb is None else f"{p.peak_mb:.1f} MB")
+                                     + ("" if p.time_ratio is None else f", {p.time_ratio:.2f}x CPU time"),
+                                     flush=True)))
+        fits_lib.add_ratios(found)
+    return found
 
 
 def _scaling_section(sizes: List[int]) -> Optional[str]:

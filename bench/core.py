@@ -144,6 +144,8 @@ class Result:
     peak_max_bytes: Optional[int] = None  # the most of them
     median_step_seconds: Optional[float] = None
     median_step_cpu_seconds: Optional[float] = None  # CPU seconds of this process per step
+    step_spread: Optional[float] = None  # interquartile range of the step's wall seconds / median
+    cpu_spread: Optional[float] = None  # the same for its CPU seconds (see relative_spread)
     rewrite_seconds: Optional[float] = None
     predicted_peak_bytes: Optional[int] = None
     predicted_time_ratio: Optional[float] = None  # plan()'s step time over tf.gradients'
@@ -353,6 +355,8 @@ class Prepared:
         self.cpu_times.append(cpu)
         self.result.median_step_seconds = statistics.median(self.times)
         self.result.median_step_cpu_seconds = statistics.median(self.cpu_times)
+        self.result.step_spread = relative_spread(self.times)
+        self.result.cpu_spread = relative_spread(self.cpu_times)
         return elapsed
 
     def traced_step(self):
@@ -368,6 +372,15 @@ class Prepared:
             self._session.close()
         self._session = self._fetches = self._feed = None
         gc.collect()
+
+
+def relative_spread(values: Sequence[float]) -> Optional[float]:
+    """The interquartile range of ``values`` over their median (None for under 4 values)."""
+    if len(values) < 4:
+        return None
+    low, _, high = statistics.quantiles(values, n=4)
+    median = statistics.median(values)
+    return (high - low) / median if median > 0 else None
 
 
 def time_interleaved(prepared: Sequence[Prepared], steps: int, warmup: int = 1) -> None:

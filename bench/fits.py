@@ -5,17 +5,42 @@ or the batch) for the largest value whose *measured* peak (one traced step,
 :func:`core.prepare`) stays under the cap.  The search starts from a guess
 (a power law fitted to the sweep's peaks, when there are any), gallops out
 to bracket the answer, then bisects; every probe is a measurement.
+
+With a time limit (``python -m bench --fits-time-limit 1.25``, the
+default), one more row: the largest ResNet depth that fits the cap with its
+step at most that many times plain ``tf.gradients``' CPU time per step at
+the same depth (:func:`fits_in_time`).  Each depth gets a budget chosen for the cap:
+``'memory'`` with ``memory_budget`` = the cap, then moved by the measured
+gap between the traced peak and the cap (down when above it, up when more
+than ``BUDGET_SLACK`` below) and built again, at most ``BUDGET_RETRIES``
+times; the build that fits with the largest budget is timed interleaved
+with ``tf.gradients`` (``TIME_STEPS`` steps after one warm-up) and the
+depth accepted when its CPU-time ratio is within the limit.  The same gallop
+and bisection find the largest accepted depth (the ratio grows with depth at a fixed cap,
+as the budget leaves less of the activations kept).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from memory_saving_gradients._units import MIB
 
 from . import core
+
+#: The headline's limit: the step at most this many times plain tf.gradients' CPU time.
+DEFAULT_TIME_LIMIT = 1.25
+#: Times a depth's budget is moved by the measured gap to the cap (and the step built again).
+BUDGET_RETRIES = 2
+#: A measured peak this close under the cap (a fraction of it) leaves the budget as it is.
+BUDGET_SLACK = 0.02
+#: Timed steps (after one warm-up) of a depth's budgeted step and plain tf.gradients, interleaved
+#: (the default of fits_in_time; ``python -m bench`` uses its ``--steps``).
+TIME_STEPS = 5
+#: The row's variant name in the fits table and fits.csv.
+TIMED_VARIANT = "memory, budget chosen for the cap"
 
 
 @dataclasses.dataclass
@@ -50,6 +75,10 @@ class Fit:
     hit_limit: bool = False          # the largest size searched still fits
     ratio: Optional[float] = None    # largest / tf.gradients' largest
     error: Optional[str] = None
+    time_limit: Optional[float] = None  # the step-time bound of a fits_in_time row
+    time_ratio: Optional[float] = None  # its measured CPU-time ratio to tf.gradients at ``largest``
+    budget_mb: Optional[float] = None   # the memory_budget that fitted at ``largest``
+    probe_time_ratios: Dict[int, Optional[float]] = dataclasses.field(default_factory=dict)
 
 
 def largest_under_cap(
@@ -61,12 +90,24 @@ def largest_under_cap(
     bracketed, then bisects.  ``peak_of`` returning None counts as not
     fitting.  Returns (k or None, whether k_max itself fits).
     """
+
+    def fits(k):
+        peak = peak_of(k)
+        return peak is not None and peak <= cap
+
+    return largest_where(fits, k_guess, k_max)
+
+
+def largest_where(
+    accept: Callable[[int], bool], k_guess: int, k_max: int
+) -> Tuple[Optional[int], bool]:
+    """Largest k in [1, k_max] that ``accept`` s (acceptance falling with k): the gallop
+    and bisection of :func:`largest_under_cap`, each k asked at most once."""
     cache: Dict[int, bool] = {}
 
     def fits(k):
         if k not in cache:
-            peak = peak_of(k)
-            cache[k] = peak is not None and peak <= cap
+            cache[k] = bool(accept(k))
         return cache[k]
 
     k = min(max(1, int(k_guess)), k_max)
@@ -169,9 +210,162 @@ def fits_in(
             error = errors[-1]
         fits.append(Fit(variant, cap_mb, axis.name, largest, peak, sorted(probes),
                         hit_limit=at_limit, error=error))
+    add_ratios(fits)
+    return fits
+
+
+def add_ratios(fits: Sequence[Fit]) -> None:
+    """Each fit's largest size over tf.gradients' largest (when both are known)."""
     base = next((f for f in fits if f.variant == "tf.gradients" and f.largest), None)
     if base is not None:
         for f in fits:
             if f.largest:
                 f.ratio = f.largest / base.largest
-    return fits
+
+
+class Candidate(Protocol):
+    """One size's budgeted step, built and its peak measured; timed when asked."""
+
+    peak_mb: Optional[float]  # None: it did not build or run (``error`` says why)
+    error: Optional[str]
+
+    def time_ratio(self) -> Optional[float]:
+        """Its CPU time per step over plain tf.gradients' at the same size."""
+
+    def close(self) -> None:
+        """Release its session."""
+
+
+@dataclasses.dataclass
+class TimedProbe:
+    """One size of the timed search: the last budget tried and what it measured."""
+
+    value: int
+    budget_mb: float
+    peak_mb: Optional[float]
+    time_ratio: Optional[float] = None  # measured only when the peak fits
+    error: Optional[str] = None
+
+    def accepted(self, cap_mb: float, time_limit: float) -> bool:
+        return (self.peak_mb is not None and self.peak_mb <= cap_mb
+                and self.time_ratio is not None and self.time_ratio <= time_limit)
+
+
+def probe_with_budget(value: int, build: Callable[[int], Candidate], cap_mb: float,
+                      retries: int = BUDGET_RETRIES) -> TimedProbe:
+    """Fit a budget to the cap: build ``build(budget_bytes)`` with the cap as its budget;
+    move the budget by the measured gap to the cap (down when the peak is above it, up
+    when it is more than BUDGET_SLACK below) and build again, ``retries`` times at most;
+    time the build that fits with the largest budget (the least recomputation)."""
+    budget = int(cap_mb * MIB)
+    last = TimedProbe(value, budget / MIB, None)
+    best: Optional[Tuple[int, Candidate]] = None
+    try:
+        for _ in range(retries + 1):
+            candidate = build(budget)
+            last = TimedProbe(value, budget / MIB, candidate.peak_mb, error=candidate.error)
+            fitted = candidate.peak_mb is not None and candidate.peak_mb <= cap_mb
+            if fitted and (best is None or budget > best[0]):
+                if best is not None:
+                    best[1].close()
+                best = (budget, candidate)
+            else:
+                candidate.close()
+            if candidate.peak_mb is None:
+                break
+            gap = cap_mb - candidate.peak_mb
+            if 0 <= gap <= BUDGET_SLACK * cap_mb:
+                break
+            budget += int(gap * MIB)
+            if budget <= 0:
+                break
+        if best is None:
+            return last
+        budget, candidate = best
+        return TimedProbe(value, budget / MIB, candidate.peak_mb, time_ratio=candidate.time_ratio())
+    finally:
+        if best is not None:
+            best[1].close()
+
+
+class _BudgetedStep:
+    """The real :class:`Candidate`: 'memory+budget' prepared at one size (core.prepare)."""
+
+    def __init__(self, spec: core.ModelSpec, budget_bytes: int, device: str, steps: int = TIME_STEPS):
+        self._spec, self._device, self._steps = spec, device, steps
+        self._point = core.prepare(spec, "memory+budget", check_grads=False, device=device,
+                                   predict=False, budget_bytes=budget_bytes)
+        res = self._point.result
+        self.peak_mb = res.peak_bytes / MIB if res.ok else None
+        self.error = res.error
+
+    def time_ratio(self) -> Optional[float]:
+        plain = core.prepare(self._spec, "tf.gradients", check_grads=False, device=self._device,
+                             predict=False)
+        try:
+            core.time_interleaved([plain, self._point], self._steps)
+        finally:
+            plain.close()
+        ours = self._point.result.median_step_cpu_seconds
+        theirs = plain.result.median_step_cpu_seconds
+        return ours / theirs if ours and theirs else None
+
+    def close(self) -> None:
+        self._point.close()
+
+
+def fits_in_time(
+    cap_mb: float,
+    time_limit: float,
+    spec_for: Callable[[int], core.ModelSpec],
+    axis: Axis,
+    k_guess: int = 1,
+    device: str = "",
+    on_probe: Optional[Callable[[TimedProbe], None]] = None,
+    build: Optional[Callable[[int, int], Candidate]] = None,
+    steps: int = TIME_STEPS,
+) -> Fit:
+    """The largest ``axis`` value whose step, with a budget chosen for the cap
+    (:func:`probe_with_budget`), fits ``cap_mb`` at most ``time_limit`` times plain
+    tf.gradients' CPU time per step.  ``build(value, budget_bytes)`` makes a
+    :class:`Candidate` (default: 'memory+budget' of ``spec_for(value)``, timed over
+    ``steps`` steps)."""
+    if build is None:
+        def build(value, budget_bytes):
+            return _BudgetedStep(spec_for(value), budget_bytes, device, steps)
+
+    name = f"{TIMED_VARIANT}, step <= {time_limit:g}x tf.gradients"
+    why_not = core.library_available("memory+budget")
+    if why_not:
+        return Fit(name, cap_mb, axis.name, None, None, [], error="skipped: " + why_not,
+                   time_limit=time_limit)
+    probes: Dict[int, TimedProbe] = {}
+
+    def accept(k):
+        value = axis.value(k)
+        probe = probe_with_budget(value, lambda budget: build(value, budget), cap_mb)
+        probes[value] = probe
+        if on_probe:
+            on_probe(probe)
+        return probe.accepted(cap_mb, time_limit)
+
+    k, at_limit = largest_where(accept, k_guess, axis.k_max)
+    largest = axis.value(k) if k is not None else None
+    best = probes.get(largest)
+    errors = [p.error for p in probes.values() if p.error]
+    return Fit(name, cap_mb, axis.name, largest, best.peak_mb if best else None,
+               sorted((v, p.peak_mb) for v, p in probes.items()), hit_limit=at_limit,
+               error=errors[-1] if k is None and errors else None, time_limit=time_limit,
+               time_ratio=best.time_ratio if best else None,
+               budget_mb=best.budget_mb if best else None,
+               probe_time_ratios={v: p.time_ratio for v, p in sorted(probes.items())})
+
+
+def time_guess_index(fits: Sequence[Fit], axis: Axis) -> int:
+    """Where the timed search starts: between tf.gradients' and 'memory''s largest sizes
+    (their geometric mean), or either one alone."""
+    found = [f.largest for f in fits if f.variant in ("tf.gradients", "memory") and f.largest]
+    if not found:
+        return 1
+    value = math.exp(sum(math.log(v) for v in found) / len(found))
+    return max(1, int(round(axis.index(value))))

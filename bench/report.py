@@ -9,15 +9,23 @@ from __future__ import annotations
 import csv
 import math
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from memory_saving_gradients._units import MIB
 
 FRONTIER = "frontier"
-#: Variants a frontier is compared with (the anchors), besides tf.gradients.
-ANCHORS = ("grappler-recompute", "recompute_grad", "collection", "speed", "memory")
+#: Variants a frontier is compared with (the anchors), besides tf.gradients.  'memory'
+#: is not one: it is the frontier's least-peak end.
+ANCHORS = ("recompute_grad", "grappler-recompute", "collection", "speed")
+#: Two time ratios count as "not slower" within this many times the group's noise
+#: (of the same clock: CPU or wall time).
+NOISE_MULTIPLE = 2
+#: 'memory' costs at most RECOMPUTE_COST_FACTOR times its predicted recomputation
+#: (plan()'s predicted step-time ratio minus 1) plus RECOMPUTE_COST_SLACK of a step.
+RECOMPUTE_COST_FACTOR = 1.1
+RECOMPUTE_COST_SLACK = 0.03
 #: 'memory' counts as the least peak when within this of every other variant's.
 LEAST_PEAK_SLACK = 0.03
 #: plan()'s predicted step-time ratio is checked against the measured one within this fraction.
@@ -31,11 +39,14 @@ COLUMNS = [
     "time_ratio",
     "cpu_ratio", "predicted_time_ratio", "rewrite_s", "predicted_peak_mb", "grads_equal", "note",
 ]
+#: results.csv has these too: which run of ``--repeats`` and the spread of the step times.
+CSV_COLUMNS = ["run"] + COLUMNS[:10] + ["step_spread", "cpu_spread"] + COLUMNS[10:]
 
 HEADERS = {
     "model": "model", "size": "size", "batch": "batch", "variant": "variant",
     "peak_mb": "peak MB (least of 3 runs)", "peak_max_mb": "most of 3", "peak_ratio": "peak / tf.gradients",
-    "step_s": "step s (median)",
+    "step_s": "step s (median)", "run": "run",
+    "step_spread": "step time spread", "cpu_spread": "CPU time spread",
     "time_ratio": "time / tf.gradients", "cpu_ratio": "CPU time / tf.gradients",
     "predicted_time_ratio": "plan() time / tf.gradients",
     "rewrite_s": "rewrite s",
@@ -65,6 +76,7 @@ def row_dict(row) -> Dict[str, object]:
         retried = f"gradient check repeated {res.gradient_retries}x (nondeterministic kernels)"
         note = f"{note}; {retried}" if note else retried
     return {
+        "run": getattr(row, "run", 1),
         "model": res.model,
         "size": res.size,
         "batch": res.batch,
@@ -75,6 +87,8 @@ def row_dict(row) -> Dict[str, object]:
         "step_s": res.median_step_seconds,
         "time_ratio": row.time_ratio,
         "cpu_ratio": getattr(row, "cpu_ratio", None),
+        "step_spread": getattr(res, "step_spread", None),
+        "cpu_spread": getattr(res, "cpu_spread", None),
         "predicted_time_ratio": res.predicted_time_ratio,
         "rewrite_s": res.rewrite_seconds if res.ok else None,
         "predicted_peak_mb": (None if res.predicted_peak_bytes is None
@@ -106,7 +120,7 @@ def _fmt(column: str, value) -> str:
 
 def write_csv(rows, path: str) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         for row in rows:
             d = row_dict(row)
@@ -124,7 +138,15 @@ def markdown(columns: Sequence[str], headers: Dict[str, str], records, fmt) -> s
 
 
 def markdown_table(rows, columns: Sequence[str] = COLUMNS) -> str:
+    """The rows as Markdown; with rows of several runs (``--repeats``), a run column first."""
+    if len(_runs(rows)) > 1 and "run" not in columns:
+        columns = ["run"] + list(columns)
     return markdown(columns, HEADERS, (row_dict(row) for row in rows), _fmt)
+
+
+def _runs(rows) -> List[int]:
+    """The runs (``--repeats``) the rows come from, in order."""
+    return sorted({getattr(row, "run", 1) for row in rows})
 
 
 #: Variants the terminal summary shows, when the sweep measured them.
@@ -135,9 +157,11 @@ def summary_table(rows) -> str:
     """One line per model size: plain's peak, then peak and CPU-time ratios of
     the main variants (the short table printed at the end of a run)."""
     by_model: Dict[Tuple[str, str], Dict[str, Dict[str, object]]] = {}
+    several = len(_runs(rows)) > 1
     for row in rows:
         d = row_dict(row)
-        by_model.setdefault((d["model"], d["size"]), {})[d["variant"]] = d
+        size = f"{d['size']} (run {d['run']})" if several else d["size"]
+        by_model.setdefault((d["model"], size), {})[d["variant"]] = d
     variants = [v for v in SUMMARY_VARIANTS if any(v in m for m in by_model.values())]
     lines = ["| model | size | tf.gradients MB | " + " | ".join(
         f"{v}: peak, CPU time" for v in variants) + " |",
@@ -167,7 +191,8 @@ def exponents(rows, model: str = "resnet", key: str = "depth") -> Dict[str, floa
 
 
 def series(rows, model: str = "resnet", key: str = "depth") -> Dict[str, List[Tuple[float, float]]]:
-    """Per variant, sorted (size value, peak MB) points of one model with the same other sizes."""
+    """Per variant, sorted (size value, peak MB) points of one model with the same other sizes
+    (the least peak of a size measured in several runs)."""
     out: Dict[str, List[Tuple[float, float]]] = {}
     for row in rows:
         res = row.result
@@ -177,7 +202,15 @@ def series(rows, model: str = "resnet", key: str = "depth") -> Dict[str, List[Tu
         if value is None:
             continue
         out.setdefault(res.variant, []).append((value, res.peak_bytes / MIB))
-    return {v: sorted(p) for v, p in out.items()}
+    return {v: _least_per_value(p) for v, p in out.items()}
+
+
+def _least_per_value(points: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """Sorted points, one per size value: the least peak (several runs measure each size)."""
+    least: Dict[float, float] = {}
+    for value, mb in points:
+        least[value] = min(mb, least.get(value, mb))
+    return sorted(least.items())
 
 
 def _size_value(size_label: str, key: str) -> Optional[float]:
@@ -192,23 +225,39 @@ def _size_value(size_label: str, key: str) -> Optional[float]:
 
 
 def fits_table(fits) -> str:
+    """The fits search as Markdown; with a timed row (fits.fits_in_time), two more columns:
+    its CPU-time ratio to tf.gradients at that size and the budget it used."""
     if not fits:
         return ""
+    timed = any(f.time_limit is not None for f in fits)
+    extra = " CPU time / tf.gradients there | budget MB |" if timed else ""
     lines = [
         f"| variant | largest {fits[0].axis} under {fits[0].cap_mb:g} MB | measured peak MB "
-        f"| vs tf.gradients | probes ({fits[0].axis}: MB) |",
-        "|---|---|---|---|---|",
+        f"| vs tf.gradients |{extra} probes ({fits[0].axis}: MB{', CPU time' if timed else ''}) |",
+        "|---|---|---|---|" + ("---|---|" if timed else "") + "---|",
     ]
     for f in fits:
         if f.error and f.largest is None:
             largest = f.error[:80]
         else:
             largest = "none" if f.largest is None else str(f.largest) + (" (search limit)" if f.hit_limit else "")
-        probes = ", ".join(f"{v}: {_mb(mb)}" for v, mb in f.probes)
+        probes = ", ".join(f"{v}: {_mb(mb)}" + _probe_time(f, v) for v, mb in f.probes)
         peak = "" if f.peak_mb is None else f"{f.peak_mb:.1f}"
         ratio = "" if f.ratio is None else f"{f.ratio:.2f}x"
-        lines.append(f"| {f.variant} | {largest} | {peak} | {ratio} | {probes} |")
+        cells = ""
+        if timed:
+            time_ratio = "" if f.time_ratio is None else f"{f.time_ratio:.2f}x"
+            budget = "" if f.budget_mb is None else f"{f.budget_mb:.3g}"
+            cells = f" {time_ratio} | {budget} |"
+        lines.append(f"| {f.variant} | {largest} | {peak} | {ratio} |{cells} {probes} |")
     return "\n".join(lines)
+
+
+def _probe_time(fit, value) -> str:
+    if value not in fit.probe_time_ratios:
+        return ""
+    ratio = fit.probe_time_ratios[value]
+    return " (not timed)" if ratio is None else f" at {ratio:.2f}x"
 
 
 def _mb(mb) -> str:
@@ -265,12 +314,15 @@ def plot_time_overhead(rows, path: str) -> Optional[str]:
     """Grouped bars: step-time ratio to tf.gradients per variant, per model size."""
     plt = _pyplot()
     groups: Dict[str, Dict[str, float]] = {}
+    several = len(_runs(rows)) > 1
     for row in rows:
         if row.time_ratio is None or row.result.variant == FRONTIER:
             continue
         res = row.result
         label = f"{res.model}\n{res.size}".replace(" ", "\n", 1) if len(res.size) < 18 else (
             f"{res.model}\n{_short_size(res.size)}")
+        if several:
+            label += f"\nrun {row.run}"
         groups.setdefault(label, {})[res.variant] = row.time_ratio
     if plt is None or not groups:
         return None
@@ -328,10 +380,11 @@ def plot_loss_curves(curves, path: str) -> Optional[str]:
     return path
 
 
-def _groups(rows) -> Dict[Tuple[str, str], list]:
-    out: Dict[Tuple[str, str], list] = {}
+def _groups(rows) -> Dict[Tuple[str, str, int], list]:
+    """Rows by (model, size, run): the variants measured together."""
+    out: Dict[Tuple[str, str, int], list] = {}
     for row in rows:
-        out.setdefault((row.result.model, row.result.size), []).append(row)
+        out.setdefault((row.result.model, row.result.size, getattr(row, "run", 1)), []).append(row)
     return out
 
 
@@ -339,32 +392,146 @@ def _label(model: str, size: str) -> str:
     return f"{model} {_short_size(size)}".strip()
 
 
+def _not_slower(ours: Optional[float], theirs: Optional[float], noise: Optional[float]) -> Optional[bool]:
+    """``ours`` at most ``theirs`` within NOISE_MULTIPLE times the noise (None: unmeasured)."""
+    if ours is None or theirs is None:
+        return None
+    return ours <= theirs * (1 + NOISE_MULTIPLE * (noise or 0))
+
+
+def _both(*oks: Optional[bool]) -> Optional[bool]:
+    """All true; None when any is unknown and none is false."""
+    if any(ok is False for ok in oks):
+        return False
+    return None if any(ok is None for ok in oks) else True
+
+
+def _curve(group) -> list:
+    """The frontier's points of a group: the budget points and 'memory', measured."""
+    return [r for r in group if r.result.variant in (FRONTIER, "memory")
+            and r.peak_ratio is not None and r.cpu_ratio is not None]
+
+
+def _noises(group) -> Tuple[Optional[float], Optional[float]]:
+    """(CPU-time noise, wall-time noise) of a group."""
+    cpu = next((r.cpu_noise for r in group if r.cpu_noise is not None), None)
+    wall = next((r.noise for r in group if r.noise is not None), None)
+    return cpu, wall
+
+
 def frontier_checks(rows) -> List[Dict[str, object]]:
-    """Per model size with a frontier, per anchor: the anchor's measured peak and time
-    ratios, and the least time ratio of a frontier point (or 'memory') whose
-    measured peak is at most the anchor's, in CPU time and in wall time.
-    ``ok``: in CPU time, not slower than the anchor by more than twice the
-    group's CPU-time noise (on a shared machine, wall time is far noisier)."""
+    """Per model size (and run) with a frontier, per anchor (ANCHORS and tf.gradients):
+    the anchor's measured peak and time ratios, and the least time ratio of a frontier
+    point (or 'memory') whose measured peak is at most the anchor's (within
+    PEAK_JITTER), in CPU time and in wall time.  ``ok``: in both clocks, not slower
+    than the anchor by more than NOISE_MULTIPLE times the group's noise of that clock."""
     checks = []
-    for (model, size), group in _groups(rows).items():
-        curve = [r for r in group if r.result.variant in (FRONTIER, "memory")
-                 and r.peak_ratio is not None and r.cpu_ratio is not None]
+    for (model, size, run), group in _groups(rows).items():
+        curve = _curve(group)
         if not any(r.result.variant == FRONTIER for r in curve):
             continue
-        noise = next((r.noise for r in group if r.noise is not None), None)
-        cpu_noise = next((r.cpu_noise for r in group if r.cpu_noise is not None), None)
+        cpu_noise, noise = _noises(group)
         for anchor in group:
             if anchor.result.variant not in ANCHORS + ("tf.gradients",) or anchor.cpu_ratio is None:
                 continue
             below = [r for r in curve if r.peak_ratio <= anchor.peak_ratio * (1 + PEAK_JITTER)]
             ours = min((r.cpu_ratio for r in below), default=None)
             ours_wall = min((r.time_ratio for r in below if r.time_ratio is not None), default=None)
-            ok = None if ours is None else ours <= anchor.cpu_ratio * (1 + 2 * (cpu_noise or 0))
-            checks.append(dict(model=_label(model, size), anchor=anchor.result.variant,
+            ok_cpu = _not_slower(ours, anchor.cpu_ratio, cpu_noise)
+            ok_wall = _not_slower(ours_wall, anchor.time_ratio, noise)
+            checks.append(dict(model=_label(model, size), run=run, anchor=anchor.result.variant,
                                peak_ratio=anchor.peak_ratio, cpu_ratio=anchor.cpu_ratio,
                                ours=ours, cpu_noise=cpu_noise, time_ratio=anchor.time_ratio,
-                               ours_wall=ours_wall, noise=noise, ok=ok))
+                               ours_wall=ours_wall, noise=noise, ok_cpu=ok_cpu, ok_wall=ok_wall,
+                               ok=None if ours is None else _both(ok_cpu, ok_wall)))
     return checks
+
+
+def _worst_slowdown(points, clock: str):
+    """The pair of points whose larger-peak one is the most slower than the other, in the
+    ratio ``clock`` ('cpu_ratio' or 'time_ratio'): (slowdown, faster point, slower point),
+    or None.  A point peaks no lower than another within PEAK_JITTER, so that two points
+    of the same plan are compared both ways."""
+    worst = None
+    for low in points:
+        for high in points:
+            if high is low or high.peak_ratio * (1 + PEAK_JITTER) < low.peak_ratio:
+                continue
+            t_low, t_high = getattr(low, clock), getattr(high, clock)
+            if t_low is None or t_high is None:
+                continue
+            slowdown = t_high / t_low - 1
+            if worst is None or slowdown > worst[0]:
+                worst = (slowdown, low, high)
+    return worst
+
+
+def monotone_checks(rows) -> List[Dict[str, object]]:
+    """Per model size (and run) with a frontier: the frontier's points and 'memory'
+    ordered by measured peak; the worst case of a point that peaks no lower than
+    another (within PEAK_JITTER) being slower than it, in CPU and in wall time.
+    ``ok``: in both clocks, no such slowdown beyond NOISE_MULTIPLE times the noise."""
+    checks = []
+    for (model, size, run), group in _groups(rows).items():
+        curve = _curve(group)
+        if not any(r.result.variant == FRONTIER for r in curve) or len(curve) < 2:
+            continue
+        cpu_noise, noise = _noises(group)
+        found = dict(model=_label(model, size), run=run, points=len(curve),
+                     cpu_noise=cpu_noise, noise=noise)
+        oks = []
+        for clock, prefix, clock_noise in (("cpu_ratio", "cpu", cpu_noise), ("time_ratio", "wall", noise)):
+            worst = _worst_slowdown(curve, clock)
+            if worst is None:
+                found.update({f"{prefix}_worst": None, f"{prefix}_pair": None})
+                oks.append(None)
+                continue
+            slowdown, low, high = worst
+            found[f"{prefix}_worst"] = slowdown
+            found[f"{prefix}_pair"] = ((low.peak_ratio, getattr(low, clock)),
+                                       (high.peak_ratio, getattr(high, clock)))
+            oks.append(slowdown <= NOISE_MULTIPLE * (clock_noise or 0))
+        found["ok"] = _both(*oks)
+        checks.append(found)
+    return checks
+
+
+def recompute_cost_bound(predicted_ratio: float) -> float:
+    """The most CPU-time ratio 'memory' may measure for plan()'s ``predicted_ratio``:
+    1 + RECOMPUTE_COST_FACTOR x (predicted - 1) + RECOMPUTE_COST_SLACK."""
+    return 1 + RECOMPUTE_COST_FACTOR * (predicted_ratio - 1) + RECOMPUTE_COST_SLACK
+
+
+def recompute_cost_checks(rows) -> List[Dict[str, object]]:
+    """Per model size (and run): 'memory''s measured CPU-time ratio against the bound of
+    its predicted recomputation (:func:`recompute_cost_bound`)."""
+    checks = []
+    for row in rows:
+        res = row.result
+        if res.variant != "memory" or res.predicted_time_ratio is None or row.cpu_ratio is None:
+            continue
+        bound = recompute_cost_bound(res.predicted_time_ratio)
+        checks.append(dict(model=_label(res.model, res.size), run=getattr(row, "run", 1),
+                           predicted=res.predicted_time_ratio, cpu_ratio=row.cpu_ratio,
+                           time_ratio=row.time_ratio, bound=bound, ok=row.cpu_ratio <= bound))
+    return checks
+
+
+def every_run_summary(rows) -> List[Dict[str, object]]:
+    """Per model size and check (each anchor, monotone, 'memory''s cost): whether it
+    holds in each run and in every one.  ``runs``: {run: ok}, a run without the check
+    is missing from it (and then the check does not hold in every run)."""
+    runs = _runs(rows)
+    summary: Dict[Tuple[str, str], Dict[int, Optional[bool]]] = {}
+    for c in frontier_checks(rows):
+        summary.setdefault((c["model"], f"not slower than {c['anchor']}"), {})[c["run"]] = c["ok"]
+    for c in monotone_checks(rows):
+        summary.setdefault((c["model"], "monotone"), {})[c["run"]] = c["ok"]
+    for c in recompute_cost_checks(rows):
+        summary.setdefault((c["model"], "'memory' within its predicted recomputation"), {})[c["run"]] = c["ok"]
+    return [dict(model=model, check=check, runs=oks,
+                 every=all(oks.get(run) is True for run in runs))
+            for (model, check), oks in summary.items()]
 
 
 def least_peak_checks(rows) -> List[Dict[str, object]]:
@@ -374,7 +541,7 @@ def least_peak_checks(rows) -> List[Dict[str, object]]:
     'memory''s peak) is the same step measured again, not another variant."""
     checks = []
     others_of = ("recompute_grad", "collection", "speed", "memory+budget", FRONTIER)
-    for (model, size), group in _groups(rows).items():
+    for (model, size, run), group in _groups(rows).items():
         ours = next((r for r in group if r.result.variant == "memory" and r.result.ok), None)
         others = [r for r in group if r.result.variant in others_of and r.result.ok
                   and not (ours is not None and r.result.plan_key is not None
@@ -383,7 +550,7 @@ def least_peak_checks(rows) -> List[Dict[str, object]]:
             continue
         best = min(others, key=lambda r: r.result.peak_bytes)
         ratio = ours.result.peak_bytes / best.result.peak_bytes
-        checks.append(dict(model=_label(model, size), memory_mb=ours.result.peak_bytes / MIB,
+        checks.append(dict(model=_label(model, size), run=run, memory_mb=ours.result.peak_bytes / MIB,
                            least_other=best.result.variant, other_mb=best.result.peak_bytes / MIB,
                            ratio=ratio, ok=ratio <= 1 + LEAST_PEAK_SLACK))
     return checks
@@ -399,7 +566,7 @@ def time_prediction_checks(rows) -> List[Dict[str, object]]:
         if res.predicted_time_ratio is None or row.cpu_ratio is None:
             continue
         error = res.predicted_time_ratio / row.cpu_ratio - 1
-        checks.append(dict(model=_label(res.model, res.size), variant=res.variant,
+        checks.append(dict(model=_label(res.model, res.size), run=getattr(row, "run", 1), variant=res.variant,
                            predicted=res.predicted_time_ratio, cpu_ratio=row.cpu_ratio,
                            time_ratio=row.time_ratio, error=error,
                            ok=abs(error) <= TIME_PREDICTION_TOLERANCE))
@@ -418,24 +585,78 @@ def time_prediction_table(checks) -> str:
     return "\n".join(lines)
 
 
+def _yes(ok: Optional[bool]) -> str:
+    return "" if ok is None else ("yes" if ok else "NO")
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "none" if value is None else f"{value:.2f}x"
+
+
+def _pct(value: Optional[float]) -> str:
+    return "" if value is None else f"{100 * value:.0f}%"
+
+
 def frontier_table(checks) -> str:
-    def ratio(value):
-        return "none" if value is None else f"{value:.2f}x"
-
-    def pct(value):
-        return "" if value is None else f"{100 * value:.0f}%"
-
     lines = ["| model | anchor | anchor peak / tf.gradients | anchor CPU time | frontier's least "
              "CPU time at <= that peak | CPU noise | anchor wall time | frontier's least wall "
-             "time | wall noise | not slower (CPU) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "time | wall noise | not slower (CPU) | not slower (wall) | not slower (both) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in checks:
-        ok = "" if c["ok"] is None else ("yes" if c["ok"] else "NO")
         lines.append(f"| {c['model']} | {c['anchor']} | {c['peak_ratio']:.3f} | "
-                     f"{ratio(c['cpu_ratio'])} | {ratio(c['ours'])} | {pct(c['cpu_noise'])} | "
-                     f"{ratio(c['time_ratio'])} | {ratio(c['ours_wall'])} | {pct(c['noise'])} | "
-                     f"{ok} |")
+                     f"{_ratio(c['cpu_ratio'])} | {_ratio(c['ours'])} | {_pct(c['cpu_noise'])} | "
+                     f"{_ratio(c['time_ratio'])} | {_ratio(c['ours_wall'])} | {_pct(c['noise'])} | "
+                     f"{_yes(c.get('ok_cpu'))} | {_yes(c.get('ok_wall'))} | {_yes(c['ok'])} |")
     return "\n".join(lines)
+
+
+def monotone_table(checks) -> str:
+    def pair(found):
+        if found is None:
+            return ""
+        (peak_low, t_low), (peak_high, t_high) = found
+        return f"{peak_low:.3f}x peak: {t_low:.2f}x; {peak_high:.3f}x peak: {t_high:.2f}x"
+
+    def slowdown(value):
+        return "" if value is None else f"{100 * value:+.1f}%"
+
+    lines = ["| model | points | worst slowdown, CPU | its points | CPU noise | worst slowdown, wall "
+             "| its points | wall noise | monotone |", "|---|---|---|---|---|---|---|---|---|"]
+    for c in checks:
+        lines.append(f"| {c['model']} | {c['points']} | {slowdown(c['cpu_worst'])} | {pair(c['cpu_pair'])} "
+                     f"| {_pct(c['cpu_noise'])} | {slowdown(c['wall_worst'])} | {pair(c['wall_pair'])} "
+                     f"| {_pct(c['noise'])} | {_yes(c['ok'])} |")
+    return "\n".join(lines)
+
+
+def recompute_cost_table(checks) -> str:
+    lines = ["| model | plan() time / tf.gradients | bound (CPU) | measured CPU time | measured wall time "
+             "| within |", "|---|---|---|---|---|---|"]
+    for c in checks:
+        wall = "" if c["time_ratio"] is None else f"{c['time_ratio']:.2f}x"
+        lines.append(f"| {c['model']} | {c['predicted']:.2f}x | {c['bound']:.2f}x | {c['cpu_ratio']:.2f}x "
+                     f"| {wall} | {_yes(c['ok'])} |")
+    return "\n".join(lines)
+
+
+def every_run_table(summary, runs: Sequence[int]) -> str:
+    lines = ["| model | check | " + " | ".join(f"run {r}" for r in runs) + " | holds in every run |",
+             "|---|---|" + "---|" * len(runs) + "---|"]
+    for s in summary:
+        cells = " | ".join("-" if r not in s["runs"] else (_yes(s["runs"][r]) or "?") for r in runs)
+        lines.append(f"| {s['model']} | {s['check']} | {cells} | {'yes' if s['every'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def per_run(checks, table: Callable[[list], str]) -> str:
+    """``table`` of the checks; checks of several runs as one table per run, each headed."""
+    runs = sorted({c.get("run", 1) for c in checks})
+    if len(runs) <= 1:
+        return table(checks)
+    parts = []
+    for run in runs:
+        parts += [f"Run {run} of {len(runs)}:", "", table([c for c in checks if c.get("run", 1) == run]), ""]
+    return "\n".join(parts).rstrip()
 
 
 def least_peak_table(checks) -> str:
@@ -447,43 +668,117 @@ def least_peak_table(checks) -> str:
     return "\n".join(lines)
 
 
+def _half_spread(row) -> float:
+    """Half the interquartile range of a row's CPU time, as a CPU-time ratio: its error bar."""
+    spread = getattr(row.result, "cpu_spread", None)
+    return 0.0 if spread is None or row.cpu_ratio is None else row.cpu_ratio * spread / 2
+
+
 def plot_pareto(rows, path: str) -> Optional[str]:
-    """Peak ratio against CPU-time ratio, one panel per model size with a frontier: the
-    budget sweep as a curve (in budget order), the anchors as labelled points."""
+    """Peak ratio against CPU-time ratio, one panel per model size with a frontier (a row of
+    panels per run): the budget sweep as a curve (by measured peak), the anchors as
+    labelled points, each point with a horizontal bar as wide as the interquartile range
+    of its CPU time per step (relative to its median, applied to its ratio)."""
     plt = _pyplot()
-    panels = [(key, group) for key, group in _groups(rows).items()
-              if any(r.result.variant == FRONTIER and r.peak_ratio is not None for r in group)]
+    panels = {key: group for key, group in _groups(rows).items()
+              if any(r.result.variant == FRONTIER and r.peak_ratio is not None for r in group)}
     if plt is None or not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.8), squeeze=False)
+    runs = sorted({run for _, _, run in panels})
+    sizes = list(dict.fromkeys((model, size) for model, size, _ in panels))
+    fig, axes = plt.subplots(len(runs), len(sizes), figsize=(5.5 * len(sizes), 4.8 * len(runs)),
+                             squeeze=False)
     markers = {"tf.gradients": "s", "grappler-recompute": "v", "recompute_grad": "^",
                "collection": "D", "speed": "P", "memory": "*", "memory+budget": "X"}
-    for ax, ((model, size), group) in zip(axes[0], panels):
-        curve = sorted((r.peak_ratio, r.cpu_ratio) for r in group
-                       if r.result.variant in (FRONTIER, "memory")
-                       and r.cpu_ratio is not None and r.peak_ratio is not None)
-        ax.plot([t for _, t in curve], [p for p, _ in curve], "k.-", linewidth=1.5,
-                label="'memory' + memory_budget sweep (by budget)")
+    for (model, size, run), group in panels.items():
+        ax = axes[runs.index(run)][sizes.index((model, size))]
+        curve = sorted((r for r in group if r.result.variant in (FRONTIER, "memory")
+                        and r.cpu_ratio is not None and r.peak_ratio is not None),
+                       key=lambda r: r.peak_ratio)
+        ax.errorbar([r.cpu_ratio for r in curve], [r.peak_ratio for r in curve],
+                    xerr=[_half_spread(r) for r in curve], fmt="k.-", linewidth=1.5, capsize=2,
+                    elinewidth=0.8, label="'memory' + memory_budget sweep (by peak)")
         for r in group:
             v = r.result.variant
             if v == FRONTIER or r.cpu_ratio is None or r.peak_ratio is None:
                 continue
-            ax.plot(r.cpu_ratio, r.peak_ratio, markers.get(v, "o"), markersize=9 if v == "memory" else 7,
-                    label=v, alpha=0.85)
+            ax.errorbar(r.cpu_ratio, r.peak_ratio, xerr=_half_spread(r), fmt=markers.get(v, "o"),
+                        markersize=9 if v == "memory" else 7, capsize=2, elinewidth=0.8,
+                        label=v, alpha=0.85)
         noise = next((r.cpu_noise for r in group if r.cpu_noise is not None), None)
-        title = _label(model, size) + (f" (CPU-time noise {100 * noise:.1f}%)" if noise else "")
+        title = _label(model, size) + (f", run {run}" if len(runs) > 1 else "") + (
+            f" (CPU-time noise {100 * noise:.1f}%)" if noise else "")
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("CPU time per step / tf.gradients'")
+        ax.set_xlabel("CPU time per step / tf.gradients' (bars: interquartile range)")
         ax.set_ylabel("peak memory / tf.gradients")
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Memory/time frontier: lower left is better; all measured in the same run",
+    for ax in axes.flat:
+        if not ax.has_data():
+            ax.set_visible(False)
+    fig.suptitle("Memory/time frontier: lower left is better; each panel measured in one run",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _optional(value, digits: int = 3) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def write_fits_csv(fits, path: str) -> None:
+    """fits.csv: one line per fit; a timed row (fits.fits_in_time) fills the last four columns."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["variant", "cap_mb", "axis", "largest", "peak_mb", "ratio", "probes", "error",
+                    "time_limit", "time_ratio", "budget_mb", "probe_time_ratios"])
+        for fit in fits:
+            w.writerow([fit.variant, fit.cap_mb, fit.axis, fit.largest or "",
+                        _optional(fit.peak_mb), _optional(fit.ratio),
+                        ";".join(f"{v}:{_optional(mb)}" for v, mb in fit.probes),
+                        fit.error or "", "" if fit.time_limit is None else f"{fit.time_limit:g}",
+                        _optional(fit.time_ratio), _optional(fit.budget_mb),
+                        ";".join(f"{v}:{_optional(r)}" for v, r in fit.probe_time_ratios.items())])
+
+
+def frontier_sections(rows) -> List[str]:
+    """results.md's frontier checks: against the anchors, monotone, 'memory''s cost
+    against its prediction; per run, and with several runs whether each holds in every one."""
+    tolerance = (f"within {NOISE_MULTIPLE} times the group's noise of that clock (a ratio r "
+                 f"counts as not above a ratio a when r <= a x (1 + {NOISE_MULTIPLE} x noise))")
+    noise = ("Noise: the median over the variants of the half interquartile range of their step "
+             "times, relative to their median, per clock.")
+    md = []
+    frontier = frontier_checks(rows)
+    if frontier:
+        md += ["## Frontier against the anchors", "",
+               "At each anchor's measured peak: the least step-time ratio of a frontier point "
+               f"(or 'memory') that peaks no higher (within {100 * PEAK_JITTER:g}%), in CPU seconds "
+               "of the process per step and in wall seconds. 'not slower': " + tolerance
+               + "; both: in CPU and in wall time. " + noise, "", per_run(frontier, frontier_table), ""]
+    monotone = monotone_checks(rows)
+    if monotone:
+        md += ["## The frontier is monotone", "",
+               "The frontier's points and 'memory', ordered by measured peak: the worst case of a "
+               f"point that peaks no lower than another (within {100 * PEAK_JITTER:g}%) running "
+               "slower than it. Monotone: in CPU and in wall time no such slowdown beyond "
+               f"{NOISE_MULTIPLE} times the group's noise of that clock. " + noise, "",
+               per_run(monotone, monotone_table), ""]
+    cost = recompute_cost_checks(rows)
+    if cost:
+        md += ["## 'memory' against its predicted recomputation", "",
+               "'memory''s measured CPU-time ratio against plan()'s predicted step-time ratio p: "
+               f"within when measured - 1 <= {RECOMPUTE_COST_FACTOR:g} x (p - 1) + "
+               f"{RECOMPUTE_COST_SLACK:g} (the bound column).", "", per_run(cost, recompute_cost_table), ""]
+    runs = _runs(rows)
+    if len(runs) > 1 and (frontier or monotone or cost):
+        md += ["## Holds in every run", "",
+               f"Each check above in each of the {len(runs)} runs (every model size rebuilt, "
+               "traced and timed again in each).", "", every_run_table(every_run_summary(rows), runs), ""]
+    return md
 
 
 def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
@@ -496,15 +791,7 @@ def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
     written["csv"] = path
     if fits:
         path = os.path.join(out_dir, "fits.csv")
-        with open(path, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["variant", "cap_mb", "axis", "largest", "peak_mb", "ratio", "probes", "error"])
-            for fit in fits:
-                w.writerow([fit.variant, fit.cap_mb, fit.axis, fit.largest or "",
-                            "" if fit.peak_mb is None else f"{fit.peak_mb:.3f}",
-                            "" if fit.ratio is None else f"{fit.ratio:.3f}",
-                            ";".join(f"{v}:{'' if mb is None else f'{mb:.3f}'}" for v, mb in fit.probes),
-                            fit.error or ""])
+        write_fits_csv(fits, path)
         written["fits_csv"] = path
     for kind, fn, name in (
         ("peak_png", lambda p: plot_peak_vs_depth(rows, p), "peak_vs_depth.png"),
@@ -527,21 +814,14 @@ def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
         md += ["## 'memory' takes the least peak", "",
                "'memory''s measured peak against the least of every other checkpointing "
                "variant of the same model size (per-unit recompute_grad, 'collection', "
-               "'speed', budgets, frontier points).", "", least_peak_table(least), ""]
+               "'speed', budgets, frontier points).", "", per_run(least, least_peak_table), ""]
     timed = time_prediction_checks(rows)
     if timed:
         md += ["## Predicted against measured step time", "",
                "plan()'s predicted step-time ratio (the time model, memory_saving_gradients.timing: "
                "the forward, gradient and recomputed seconds of the region's ops) against the "
-               "measured ratios of the same run.", "", time_prediction_table(timed), ""]
-    frontier = frontier_checks(rows)
-    if frontier:
-        md += ["## Frontier against the anchors", "",
-               "At each anchor's measured peak: the least step-time ratio of a frontier point "
-               "(or 'memory') that peaks no higher (within 1%), in CPU seconds of the process per step and "
-               "in wall seconds. Noise: the median over the variants of the half interquartile "
-               "range of their step times, relative to their median. 'not slower': in CPU time, "
-               "within twice the CPU-time noise.", "", frontier_table(frontier), ""]
+               "measured ratios of the same run.", "", per_run(timed, time_prediction_table), ""]
+    md += frontier_sections(rows)
     if fits:
         md += [f"## Fits in {fits[0].cap_mb:g} MB", "", fits_table(fits), ""]
     if curves is not None:

@@ -12,6 +12,10 @@ from the least predicted peak ('memory''s own plan) to plain
 (:func:`frontier_budgets`): the memory/time frontier, timed in the
 same interleaved rounds as the anchors (variant ``'frontier'``).  Each
 group's timing noise (:func:`timing_noise`) is kept on its rows.
+
+With ``repeats`` above 1 the whole sweep runs that many times, every model
+size rebuilt, traced and timed again in each; a row's ``run`` (1, 2, ...)
+says which, and ratios compare only rows of the same run.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Row:
     cpu_ratio: Optional[float] = None  # of CPU seconds per step (all threads of the process)
     noise: Optional[float] = None  # the group's wall-time noise (see timing_noise)
     cpu_noise: Optional[float] = None  # the same for CPU time
+    run: int = 1  # which repeat of the sweep measured it (1, 2, ...)
 
     def __getattr__(self, name):  # the Result's fields read through
         return getattr(self.result, name)
@@ -51,42 +56,55 @@ def run_sweep(
     progress: bool = True,
     on_row: Optional[Callable[[Row], None]] = None,
     frontier: int = 0,
+    repeats: int = 1,
 ) -> List[Row]:
-    """Measure every spec with every variant; rows in spec, then variant order
-    (then the ``frontier`` budget points, from the least peak up)."""
-    bar = _progress(len(specs) * (len(variants) + frontier), progress)
+    """Measure every spec with every variant, ``repeats`` times over; rows in run, spec,
+    then variant order (then the ``frontier`` budget points, from the least peak up)."""
+    repeats = max(1, int(repeats))
+    bar = _progress(repeats * len(specs) * (len(variants) + frontier), progress)
     rows: List[Row] = []
     try:
-        for spec in specs:
-            prepared = []
-            for variant in variants:
-                bar.set_description(f"{spec.name} {spec.size_label} {variant}"[:60])
-                prepared.append(core.prepare(spec, variant, budget_fraction=budget_fraction,
-                                             device=device))
-                bar.update(1)
-            for budget in frontier_budgets(prepared, frontier):
-                bar.set_description(f"{spec.name} {spec.size_label} frontier"[:60])
-                point = core.prepare(spec, "memory+budget", budget_bytes=budget, device=device)
-                point.result.variant = FRONTIER
-                prepared.append(point)
-                bar.update(1)
-            try:
-                bar.set_description(f"{spec.name} {spec.size_label} timing"[:60])
-                core.time_interleaved(prepared, steps)
-                noise = timing_noise([p.times for p in prepared])
-                cpu_noise = timing_noise([p.cpu_times for p in prepared])
-            finally:
-                for p in prepared:
-                    p.close()
-            group = [Row(p.result, noise=noise, cpu_noise=cpu_noise) for p in prepared]
-            add_ratios(group)
-            rows.extend(group)
-            if on_row:
+        for run in range(1, repeats + 1):
+            for spec in specs:
+                group = _measure_group(spec, variants, steps, budget_fraction, device, frontier, bar,
+                                       run if repeats > 1 else None)
                 for row in group:
-                    on_row(row)
+                    row.run = run
+                rows.extend(group)
+                if on_row:
+                    for row in group:
+                        on_row(row)
     finally:
         bar.close()
     return rows
+
+
+def _measure_group(spec, variants, steps, budget_fraction, device, frontier, bar, run) -> List[Row]:
+    """One model size: every variant (and frontier point) prepared, then timed interleaved."""
+    label = f"{spec.name} {spec.size_label}" + ("" if run is None else f" run {run}")
+    prepared = []
+    for variant in variants:
+        bar.set_description(f"{label} {variant}"[:60])
+        prepared.append(core.prepare(spec, variant, budget_fraction=budget_fraction,
+                                     device=device))
+        bar.update(1)
+    for budget in frontier_budgets(prepared, frontier):
+        bar.set_description(f"{label} frontier"[:60])
+        point = core.prepare(spec, "memory+budget", budget_bytes=budget, device=device)
+        point.result.variant = FRONTIER
+        prepared.append(point)
+        bar.update(1)
+    try:
+        bar.set_description(f"{label} timing"[:60])
+        core.time_interleaved(prepared, steps)
+        noise = timing_noise([p.times for p in prepared])
+        cpu_noise = timing_noise([p.cpu_times for p in prepared])
+    finally:
+        for p in prepared:
+            p.close()
+    group = [Row(p.result, noise=noise, cpu_noise=cpu_noise) for p in prepared]
+    add_ratios(group)
+    return group
 
 
 def add_ratios(group: Sequence[Row]) -> None:
