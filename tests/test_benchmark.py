@@ -343,9 +343,10 @@ def test_cli_largest_batch_writes_its_table_and_every_answer_fits(tmp_path):
     each verified by traced steps at that batch (measured within the memory)."""
     code = cli.main(["--quick", "--largest-batch", "4", "--models", "mlp,unet,chain",
                            "--out", str(tmp_path), "--no-progress"])
-    assert code == 0
     with open(tmp_path / "largest_batch.csv") as f:
         rows = list(csv.DictReader(f))
+    # the exit status says whether every answer's most peak fitted (see below for why one may not)
+    assert code == (0 if all(r["fits"] == "True" for r in rows) else 1), rows
     assert [(r["model"], r["variant"]) for r in rows] == [
         ("mlp", "tf.gradients"), ("mlp", "memory"), ("unet", "tf.gradients"), ("unet", "memory")]
     for r in rows:
