@@ -171,8 +171,12 @@ def _level_table(rows: int, levels: int) -> tuple:
     return padded[:, width:], sliding_window_view(padded, width, axis=1)
 
 
+#: Steps of ``kept`` in the programs' tables unless told otherwise.
+DEFAULT_LEVELS = 120
+
+
 def least_recompute(problem: CutProblem, budget: float,
-                    levels: int = 120) -> tuple[list[int], float] | None:
+                    levels: int = DEFAULT_LEVELS) -> tuple[list[int], float] | None:
     """Indices of the chosen cuts (1..n) with least recomputation within ``budget``.
 
     Returns ``(cuts, recompute_work)``, or None when no choice fits.

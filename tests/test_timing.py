@@ -55,3 +55,44 @@ def test_an_unreadable_cache_means_the_default(tmp_path, monkeypatch):
     monkeypatch.setattr(timing, "_current", None)
     (tmp_path / "throughput.json").write_text("not json")
     assert timing.current() is timing.DEFAULT
+
+
+@pytest.mark.unit
+def test_the_planner_weighs_recomputation_in_the_time_models_seconds(monkeypatch):
+    """The work the planner minimises is the time model's seconds of the copies that run:
+    a throughput that makes matrix products slower makes the same plan's work larger by
+    the products' share, and recompute_cost is that work over the forward pass's."""
+    import numpy as np
+    import tensorflow as tf
+
+    from memory_saving_gradients import graph as graph_lib
+    from memory_saving_gradients import simulate
+
+    graph = tf.Graph()
+    with graph.as_default():
+        rng = np.random.default_rng(0)
+        h = tf.constant(rng.standard_normal((256, 64)).astype("float32"))
+        weights, kept = [], []
+        for _ in range(6):
+            w = tf.constant(rng.standard_normal((64, 64)).astype("float32") / 8)
+            weights.append(w)
+            h = tf.tanh(tf.matmul(h, w))
+            kept.append(h)
+        loss = tf.reduce_sum(h)
+        region = graph_lib.forward_region([loss], weights)
+    works = {}
+    for matmul_rate in (1e10, 1e8):
+        rates = {"conv": 1e10, "matmul": matmul_rate, "norm": 1e10, "other": 1e10}
+        model = timing.Throughput(rates, bytes_per_second=1e13, seconds_per_op=1e-6,
+                                  backward={"other": 1.0})
+        monkeypatch.setattr(timing, "_current", model)
+        prediction = simulate.predict_checkpointed(region, [loss], weights, kept[1::2])
+        assert prediction.recompute_work == pytest.approx(prediction.recompute_seconds)
+        assert prediction.recompute_cost == pytest.approx(
+            prediction.recompute_seconds / prediction.forward_work)
+        counts = dict(prediction.recomputed_ops)
+        works[matmul_rate] = (prediction.recompute_work, counts)
+    (fast, counts), (slow, same_counts) = works[1e10], works[1e8]
+    assert counts == same_counts and counts.get("MatMul", 0) > 0, counts
+    flops = 2 * 256 * 64 * 64  # one product
+    assert slow - fast == pytest.approx(counts["MatMul"] * flops * (1 / 1e8 - 1 / 1e10), rel=1e-6)
