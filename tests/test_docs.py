@@ -82,8 +82,14 @@ def _results_folders(text: str) -> dict:
 
 
 def _table_rows(text: str) -> list:
-    """Rows of README's results table, as dicts keyed by its header."""
-    lines = [line for line in text.splitlines() if line.startswith("|")]
+    """Rows of README's results table (the first table of ``text``), as dicts keyed by
+    its header."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("|"):
+            lines.append(line)
+        elif lines:
+            break
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     assert header[-1] == "run", header
     return [dict(zip(header, [c.strip() for c in line.strip("|").split("|")]))
