@@ -744,6 +744,12 @@ def write_fits_csv(fits, path: str) -> None:
                         ";".join(f"{v}:{_optional(r)}" for v, r in fit.probe_time_ratios.items())])
 
 
+def _check_section(title: str, text: str, checks, table: Callable[[list], str]) -> List[str]:
+    """A results.md section: its title, what it checks, one table per run; nothing
+    without checks."""
+    return [f"## {title}", "", text, "", per_run(checks, table), ""] if checks else []
+
+
 def frontier_sections(rows) -> List[str]:
     """results.md's frontier checks: against the anchors, monotone, 'memory''s cost
     against its prediction; per run, and with several runs whether each holds in every one."""
@@ -751,28 +757,27 @@ def frontier_sections(rows) -> List[str]:
                  f"counts as not above a ratio a when r <= a x (1 + {NOISE_MULTIPLE} x noise))")
     noise = ("Noise: the median over the variants of the half interquartile range of their step "
              "times, relative to their median, per clock.")
-    md = []
     frontier = frontier_checks(rows)
-    if frontier:
-        md += ["## Frontier against the anchors", "",
-               "At each anchor's measured peak: the least step-time ratio of a frontier point "
-               f"(or 'memory') that peaks no higher (within {100 * PEAK_JITTER:g}%), in CPU seconds "
-               "of the process per step and in wall seconds. 'not slower': " + tolerance
-               + "; both: in CPU and in wall time. " + noise, "", per_run(frontier, frontier_table), ""]
     monotone = monotone_checks(rows)
-    if monotone:
-        md += ["## The frontier is monotone", "",
-               "The frontier's points and 'memory', ordered by measured peak: the worst case of a "
-               f"point that peaks no lower than another (within {100 * PEAK_JITTER:g}%) running "
-               "slower than it. Monotone: in CPU and in wall time no such slowdown beyond "
-               f"{NOISE_MULTIPLE} times the group's noise of that clock. " + noise, "",
-               per_run(monotone, monotone_table), ""]
     cost = recompute_cost_checks(rows)
-    if cost:
-        md += ["## 'memory' against its predicted recomputation", "",
-               "'memory''s measured CPU-time ratio against plan()'s predicted step-time ratio p: "
-               f"within when measured - 1 <= {RECOMPUTE_COST_FACTOR:g} x (p - 1) + "
-               f"{RECOMPUTE_COST_SLACK:g} (the bound column).", "", per_run(cost, recompute_cost_table), ""]
+    md = _check_section(
+        "Frontier against the anchors",
+        "At each anchor's measured peak: the least step-time ratio of a frontier point "
+        f"(or 'memory') that peaks no higher (within {100 * PEAK_JITTER:g}%), in CPU seconds "
+        "of the process per step and in wall seconds. 'not slower': " + tolerance
+        + "; both: in CPU and in wall time. " + noise, frontier, frontier_table)
+    md += _check_section(
+        "The frontier is monotone",
+        "The frontier's points and 'memory', ordered by measured peak: the worst case of a "
+        f"point that peaks no lower than another (within {100 * PEAK_JITTER:g}%) running "
+        "slower than it. Monotone: in CPU and in wall time no such slowdown beyond "
+        f"{NOISE_MULTIPLE} times the group's noise of that clock. " + noise,
+        monotone, monotone_table)
+    md += _check_section(
+        "'memory' against its predicted recomputation",
+        "'memory''s measured CPU-time ratio against plan()'s predicted step-time ratio p: "
+        f"within when measured - 1 <= {RECOMPUTE_COST_FACTOR:g} x (p - 1) + "
+        f"{RECOMPUTE_COST_SLACK:g} (the bound column).", cost, recompute_cost_table)
     runs = _runs(rows)
     if len(runs) > 1 and (frontier or monotone or cost):
         md += ["## Holds in every run", "",
@@ -809,18 +814,16 @@ def write_outputs(out_dir: str, rows, fits=None, curves=None, extra_sections=(),
         md += ["## Peak memory vs ResNet depth: fitted exponent (MB = a * depth^b)", "",
                "| variant | exponent b |", "|---|---|"]
         md += [f"| {v} | {b:.2f} |" for v, b in exps.items()] + [""]
-    least = least_peak_checks(rows)
-    if least:
-        md += ["## 'memory' takes the least peak", "",
-               "'memory''s measured peak against the least of every other checkpointing "
-               "variant of the same model size (per-unit recompute_grad, 'collection', "
-               "'speed', budgets, frontier points).", "", per_run(least, least_peak_table), ""]
-    timed = time_prediction_checks(rows)
-    if timed:
-        md += ["## Predicted against measured step time", "",
-               "plan()'s predicted step-time ratio (the time model, memory_saving_gradients.timing: "
-               "the forward, gradient and recomputed seconds of the region's ops) against the "
-               "measured ratios of the same run.", "", per_run(timed, time_prediction_table), ""]
+    md += _check_section(
+        "'memory' takes the least peak",
+        "'memory''s measured peak against the least of every other checkpointing "
+        "variant of the same model size (per-unit recompute_grad, 'collection', "
+        "'speed', budgets, frontier points).", least_peak_checks(rows), least_peak_table)
+    md += _check_section(
+        "Predicted against measured step time",
+        "plan()'s predicted step-time ratio (the time model, memory_saving_gradients.timing: "
+        "the forward, gradient and recomputed seconds of the region's ops) against the "
+        "measured ratios of the same run.", time_prediction_checks(rows), time_prediction_table)
     md += frontier_sections(rows)
     if fits:
         md += [f"## Fits in {fits[0].cap_mb:g} MB", "", fits_table(fits), ""]

@@ -548,8 +548,9 @@ class _Replay:
             if op not in running:
                 continue  # nothing reads this copy: grappler prunes it
             self.step += 1
-            self.recompute_work += self.size.cost(op)
-            self.recompute_seconds += self.size.seconds(op)
+            seconds = self.size.cost(op)  # the planner's cost is the time model's seconds
+            self.recompute_work += seconds
+            self.recompute_seconds += seconds
             self.recomputed[op.type] += 1
             for t in op.inputs:
                 timeline.use(rename(t.ref()), self.step)
