@@ -754,9 +754,8 @@ class _BackwardPass:
             [op for op in waits if op not in self._top_waits], data_after=data_after,
         ))
         copies = rewrite.copy_ops(step.segment.ops, inputs, waits, f"recompute_{index}")
-        # each gated copy's input gradients are done before the next gated copy's
-        # are used, so that the executor frees the recomputed tensors about in the
-        # order simulated
+        # each copy's input gradients are released together, so that the
+        # executor frees the recomputed tensors in the order simulated
         # (XLA drops control inputs: nothing to gate there)
         gated = () if self._for_xla else {t.op for t in copies.values()}
         try:

@@ -106,39 +106,25 @@ def copy_ops(
 
 @contextlib.contextmanager
 def gated_gradients(copies: Iterable[tf.Operation]) -> Iterator[None]:
-    """Inside the block, ``tf.gradients`` releases some copies' input gradients in order.
+    """Inside the block, ``tf.gradients`` releases some copies' input gradients together.
 
     When the gradient function of one of ``copies`` returns two or more
     gradients, of which some read a recomputed tensor (an output of one of
-    ``copies``) and some do not, that copy is *gated*: every op that
-    ``tf.gradients`` builds on one of its gradients waits (a control input)
-    for the ops of the others.  Without
-    it the executor runs ahead on the gradient that is ready first (the slices
-    below a convolution's input gradient) while another still holds a
-    recomputed tensor (the filter gradient, which reads the recomputed input):
-    both are alive at once, and the peak moves from run to run.  When every
-    gradient reads a recomputed tensor, waiting frees nothing, so those are
-    left alone.
+    ``copies``) and some do not, every op that ``tf.gradients`` then builds on
+    one of them waits (a control input) for the ops of all the others.
+    Without it the executor runs ahead on the gradient that is ready first
+    (the slices below a convolution's input gradient) while another still
+    holds a recomputed tensor (the filter gradient, which reads the recomputed
+    input): both are alive at once, and the peak moves from run to run.  When
+    every gradient reads a recomputed tensor, waiting frees nothing, so those
+    are left alone.
 
-    Where the recomputed inputs a gated copy's gradients hold are no larger
-    than the gradients it receives (a convolution that keeps its size), the
-    wait is one gated copy late instead: the ops built on the *next* gated
-    copy's gradients wait for this copy's.  Its filter gradient then runs
-    beside the input-gradient chain below it, as in plain ``tf.gradients``,
-    while what it holds alive the longer is no more than what that chain
-    allocates.  Waiting on the copy's own gradients everywhere (TensorFlow's
-    ``gate_gradients=True`` for these ops) serialised every filter gradient
-    with that chain: on ResNet-110 it cost 5-10% of the step with ``'speed'``
-    and up to 5% with ``'memory'``.  A copy that holds more than it receives
-    (a convolution over a concat, a strided one) waits on its own gradients:
-    late, the U-Net's concat gradient ran beside the filter gradient holding
-    the recomputed concat, and its peak moved again (docs/results.md).
-
-    Control inputs only, no new ops.  A gate only points from gradient ops to
-    ops created after all of them, which are none of their ancestors: it
-    cannot close a cycle.
+    This is TensorFlow's ``gate_gradients=True`` for these ops only, built
+    from control inputs instead of a ``tuple`` of identities (no new ops).  A
+    gate only points from those gradient ops to an op created after all of
+    them, which is none of their ancestors: it cannot close a cycle.
     """
-    gates: list = []  # (gradient ops of one copy, the newest of their op ids, late)
+    gates: list = []  # (gradient ops of one copy, the newest of their op ids)
     replaced = []
     copies = frozenset(copies)
     for op in copies:
@@ -155,24 +141,12 @@ def gated_gradients(copies: Iterable[tf.Operation]) -> Iterator[None]:
     finally:
         for op, previous in replaced:
             _tf_internals.set_gradient_override(op, previous)
-    gates.sort(key=lambda gate: gate[1])
-    for i, (producers, newest_id, late) in enumerate(gates):
-        if not late:
-            _wait(producers, newest_id, lambda producer: [p for p in producers if p is not producer])
-        elif i + 1 < len(gates):
-            # the next gate's newest op is newer than every op of this one
-            _, next_newest_id, _ = gates[i + 1]
-            _wait(gates[i + 1][0], next_newest_id, lambda producer: list(producers))
-
-
-def _wait(producers, newest_id: int, waited_for) -> None:
-    """Makes each consumer of ``producers`` created after op ``newest_id`` wait for
-    ``waited_for(producer)`` (ops no newer than ``newest_id``)."""
-    for producer in producers:
-        for t in producer.outputs:
-            for consumer in t.consumers():
-                if graph_lib.op_order(consumer) > newest_id:
-                    add_control_inputs([consumer], waited_for(producer))
+    for producers, newest_id in gates:
+        for producer in producers:
+            for t in producer.outputs:
+                for consumer in t.consumers():
+                    if graph_lib.op_order(consumer) > newest_id:
+                        add_control_inputs([consumer], [p for p in producers if p is not producer])
 
 
 def _recording_gradient(function, gates: list, copies: frozenset):
@@ -194,19 +168,10 @@ def _recording_gradient(function, gates: list, copies: frozenset):
                 for t in tensors_of(g) if isinstance(t, tf.Tensor)])
             reads = [_reads_recomputed(p, copies, made_after) for p in producers]
             if any(reads) and not all(reads):
-                gates.append((producers, max(graph_lib.op_order(p) for p in producers),
-                              _holds_no_more_than_it_receives(op, copies)))
+                gates.append((producers, max(graph_lib.op_order(p) for p in producers)))
         return results
 
     return gradient
-
-
-def _holds_no_more_than_it_receives(op: tf.Operation, copies: frozenset) -> bool:
-    """Whether ``op``'s recomputed inputs (outputs of ``copies``) take no more bytes than
-    its outputs, whose gradients it receives (static sizes, unknown dims as 1)."""
-    held = sum(graph_lib.tensor_bytes(t) for t in op.inputs if t.op in copies)
-    received = sum(graph_lib.tensor_bytes(t) for t in op.outputs)
-    return held <= received
 
 
 def _reads_recomputed(producer: tf.Operation, copies: frozenset, made_after: int) -> bool:
