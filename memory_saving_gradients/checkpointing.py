@@ -151,6 +151,7 @@ def _gradients(
                     problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops,
                     _GradientOptions(colocate_gradients_with_ops, gate_gradients,
                                      aggregation_method, unconnected),
+                    _unknown_dim(batch_size),
                 ))
             if reporting.wanted():
                 reporting.rewrote(
@@ -588,6 +589,7 @@ class _Request:
     checkpoints: list
     stops: list
     options: _GradientOptions
+    unknown_dim: int = DEFAULT_BATCH_SIZE  # what the memory model counts an unknown dim as
 
 
 def _guarded(backprop):
@@ -624,6 +626,7 @@ def _backprop(request: _Request) -> list:
     backward = _BackwardPass(request, schedule)
     for step in schedule.steps:
         backward.take(step)
+    backward.finish_gates()
     return backward.results()
 
 
@@ -697,6 +700,14 @@ class _BackwardPass:
         # incoming gradient through data (see rewrite.proxies).
         self._for_xla = graph_lib.builds_for_xla(graph)
         self._top_waits = self._seed_ys()
+        self._gates = rewrite.GradientGates()
+        # (step index, segment position) of each gated product that may wait late -> its
+        # pair's; their copies, as the steps are built
+        self._late = {} if self._for_xla else dict(simulate.late_gates(
+            request.region, request.ys, request.xs, request.checkpoints, request.unknown_dim,
+            request.stops, schedule))
+        self._paired = set(self._late) | set(self._late.values())
+        self._copy_at: dict = {}  # those keys -> their copies, as the steps are built
 
     def _seed_ys(self) -> set:
         """Adds the gradients of ys (grad_ys, or ones); returns the ops a variable's proxy
@@ -754,12 +765,18 @@ class _BackwardPass:
             [op for op in waits if op not in self._top_waits], data_after=data_after,
         ))
         copies = rewrite.copy_ops(step.segment.ops, inputs, waits, f"recompute_{index}")
-        # each copy's input gradients are released together, so that the
-        # executor frees the recomputed tensors in the order simulated
-        # (XLA drops control inputs: nothing to gate there)
+        # each copy's input gradients are released together (or, where the memory model
+        # allows it, before its pair's are used), so that the executor frees the
+        # recomputed tensors in the order simulated (XLA drops control inputs: nothing
+        # to gate there)
         gated = () if self._for_xla else {t.op for t in copies.values()}
+        for position, op in enumerate(step.segment.ops):
+            if (index, position) in self._paired and op.outputs:
+                self._copy_at[index, position] = copies[op.outputs[0].ref()].op
+        late = {self._copy_at[key] for key in self._late
+                if key[0] == index and key in self._copy_at}
         try:
-            with rewrite.gated_gradients(gated):
+            with self._gates.recording(gated, late):
                 input_grads = tf_gradients(
                     [copies[t.ref()] for t in targets],
                     [inputs[t.ref()] for t in step.inputs],
@@ -776,6 +793,13 @@ class _BackwardPass:
             part.op for g in input_grads if g is not None for part in rewrite.tensors_of(g)
         ] or self._previous_results
         return input_grads
+
+    def finish_gates(self) -> None:
+        """Adds the late gates' waits, now that every step's gradients are built."""
+        self._gates.finish({
+            self._copy_at[key]: self._copy_at.get(pair)
+            for key, pair in self._late.items() if key in self._copy_at
+        })
 
     def _in_place(self, step, targets, target_grads) -> list:
         """Calls the registered gradient of the step's one op on the forward op."""

@@ -16,6 +16,7 @@ control inputs are only ever added to new ops.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
@@ -104,54 +105,121 @@ def copy_ops(
     }
 
 
-@contextlib.contextmanager
-def gated_gradients(copies: Iterable[tf.Operation]) -> Iterator[None]:
-    """Inside the block, ``tf.gradients`` releases some copies' input gradients together.
+@dataclasses.dataclass
+class _Gate:
+    """What one copy's gradient function built: its gradients' ops (``producers``), the
+    newest of their op ids, the newest op id of its step's ``tf.gradients`` call, and
+    whether they should wait for each other (``mixed``: some read a recomputed tensor,
+    some do not)."""
 
-    When the gradient function of one of ``copies`` returns two or more
-    gradients, of which some read a recomputed tensor (an output of one of
-    ``copies``) and some do not, every op that ``tf.gradients`` then builds on
-    one of them waits (a control input) for the ops of all the others.
-    Without it the executor runs ahead on the gradient that is ready first
-    (the slices below a convolution's input gradient) while another still
-    holds a recomputed tensor (the filter gradient, which reads the recomputed
-    input): both are alive at once, and the peak moves from run to run.  When
-    every gradient reads a recomputed tensor, waiting frees nothing, so those
-    are left alone.
+    producers: list
+    newest_id: int
+    step_last_id: int
+    mixed: bool
 
-    This is TensorFlow's ``gate_gradients=True`` for these ops only, built
-    from control inputs instead of a ``tuple`` of identities (no new ops).  A
-    gate only points from those gradient ops to an op created after all of
-    them, which is none of their ancestors: it cannot close a cycle.
-    """
-    gates: list = []  # (gradient ops of one copy, the newest of their op ids)
-    replaced = []
-    copies = frozenset(copies)
-    for op in copies:
-        try:
-            function = _tf_internals.gradient_function(op)
-        except LookupError:
-            continue
-        if function is None:
-            continue
-        replaced.append((op, _tf_internals.gradient_override(op)))
-        _tf_internals.set_gradient_override(op, _recording_gradient(function, gates, copies))
-    try:
-        yield
-    finally:
-        for op, previous in replaced:
-            _tf_internals.set_gradient_override(op, previous)
-    for producers, newest_id in gates:
-        for producer in producers:
+    def wait(self, waited_for) -> None:
+        """Each consumer of the producers made in the same step, after them, waits for
+        ``waited_for(producer)``."""
+        for producer in self.producers:
             for t in producer.outputs:
                 for consumer in t.consumers():
-                    if graph_lib.op_order(consumer) > newest_id:
-                        add_control_inputs([consumer], [p for p in producers if p is not producer])
+                    if self.newest_id < graph_lib.op_order(consumer) <= self.step_last_id:
+                        add_control_inputs([consumer], waited_for(producer))
+
+    def wait_for_each_other(self) -> None:
+        self.wait(lambda producer: [p for p in self.producers if p is not producer])
 
 
-def _recording_gradient(function, gates: list, copies: frozenset):
-    """``function``, noting the ops of the gradients it returns when they should wait
-    for each other: two or more, of which some read a recomputed tensor and some do not."""
+class GradientGates:
+    """The gates of one backward pass: which copies' input gradients wait, and for what.
+
+    While a step's gradients are built (:meth:`recording`), the gradient
+    function of every copy is noted.  Where one copy's gradients are *mixed*
+    (two or more, of which some read a recomputed tensor, an output of one of
+    the step's copies, and some do not), every op ``tf.gradients`` then
+    builds on one of them waits (a control input) for the ops of the others:
+    without it the executor runs ahead on the gradient that is ready first
+    (the slices below a convolution's input gradient) while another still
+    holds a recomputed tensor (the filter gradient, which reads the recomputed
+    input), both are alive at once and the peak moves from run to run.  When
+    every gradient reads a recomputed tensor, waiting frees nothing, so those
+    are left alone.  This is TensorFlow's ``gate_gradients=True`` for these
+    ops only, from control inputs instead of a ``tuple`` of identities.
+
+    A copy named *late* waits later instead: the ops built on the gradients of
+    the copy it is paired with (the next gated copy the backward pass
+    differentiates, maybe in a later step) wait for its gradients, so its
+    filter gradient runs beside the input-gradient chain below it, as in plain
+    ``tf.gradients``.  The memory model decides which copies may wait late
+    (:func:`.simulate.late_gates`); this class only builds what it is told.
+    Late waits are added by :meth:`finish`, once the pair's gradients exist.
+
+    Control inputs only, no new ops.  A wait only points from gradient ops to
+    ops created after all of them, which are none of their ancestors: it
+    cannot close a cycle.
+    """
+
+    def __init__(self):
+        self._gates: dict = {}  # copy -> _Gate
+
+    @contextlib.contextmanager
+    def recording(self, copies: Iterable[tf.Operation],
+                  late: Iterable[tf.Operation] = ()) -> Iterator[None]:
+        """Inside the block ``tf.gradients`` notes the gradients of ``copies``; on leaving
+        it, the mixed ones of each copy not in ``late`` wait for each other."""
+        late = frozenset(late)
+        recorded: list = []
+        replaced = []
+        copies = frozenset(copies)
+        graph = None
+        for op in copies:
+            graph = op.graph
+            try:
+                function = _tf_internals.gradient_function(op)
+            except LookupError:
+                continue
+            if function is None:
+                continue
+            replaced.append((op, _tf_internals.gradient_override(op)))
+            _tf_internals.set_gradient_override(op, _recording_gradient(function, recorded, copies))
+        try:
+            yield
+        finally:
+            for op, previous in replaced:
+                _tf_internals.set_gradient_override(op, previous)
+        last_id = graph_lib.last_op_id(graph) if graph is not None else 0
+        for op, producers, newest_id, mixed in recorded:
+            gate = self._gates[op] = _Gate(producers, newest_id, last_id, mixed)
+            if mixed and op not in late:
+                gate.wait_for_each_other()
+
+    def finish(self, pairs: dict) -> None:
+        """Adds the late waits, ``pairs``: each late copy -> its pair (None: none was
+        built), whose gradients' consumers wait for the late copy's gradients; a late
+        copy without a pair that built gradients waits on its own."""
+        for op, pair in pairs.items():
+            gate = self._gates.get(op)
+            if gate is None or not gate.mixed:
+                continue
+            paired = self._gates.get(pair)
+            if paired is not None:
+                paired.wait(lambda producer, gate=gate: list(gate.producers))
+            else:
+                gate.wait_for_each_other()
+
+
+@contextlib.contextmanager
+def gated_gradients(copies: Iterable[tf.Operation]) -> Iterator[None]:
+    """Inside the block, ``tf.gradients`` gates the gradients of ``copies`` that are
+    mixed (see :class:`GradientGates`): each waits for the others of its copy."""
+    with GradientGates().recording(copies):
+        yield
+
+
+def _recording_gradient(function, recorded: list, copies: frozenset):
+    """``function``, noting the ops of the gradients it returns, the newest of their ids,
+    and whether they are mixed: two or more, of which some read a recomputed tensor
+    and some do not."""
 
     def gradient(op, *output_gradients):
         results = function(op, *output_gradients)
@@ -160,15 +228,18 @@ def _recording_gradient(function, gates: list, copies: frozenset):
             t.op for g in parts if g is not None for t in tensors_of(g)
             if isinstance(t, tf.Tensor)
         )
-        if len(producers) > 1:
-            # ops with larger ids than op and its output gradients were made by the
-            # gradient function; an op created after all of them is none of their ancestors
-            made_after = max([graph_lib.op_order(op)] + [
-                graph_lib.op_order(t.op) for g in output_gradients if g is not None
-                for t in tensors_of(g) if isinstance(t, tf.Tensor)])
-            reads = [_reads_recomputed(p, copies, made_after) for p in producers]
-            if any(reads) and not all(reads):
-                gates.append((producers, max(graph_lib.op_order(p) for p in producers)))
+        if producers:
+            mixed = False
+            if len(producers) > 1:
+                # ops with larger ids than op and its output gradients were made by the
+                # gradient function; an op created after all of them is none of their
+                # ancestors
+                made_after = max([graph_lib.op_order(op)] + [
+                    graph_lib.op_order(t.op) for g in output_gradients if g is not None
+                    for t in tensors_of(g) if isinstance(t, tf.Tensor)])
+                reads = [_reads_recomputed(p, copies, made_after) for p in producers]
+                mixed = any(reads) and not all(reads)
+            recorded.append((op, producers, max(graph_lib.op_order(p) for p in producers), mixed))
         return results
 
     return gradient

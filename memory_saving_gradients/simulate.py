@@ -319,6 +319,16 @@ class _Timeline:
         other.alias = dict(self.alias)
         return other
 
+    def live(self, end_step: int) -> np.ndarray:
+        """Bytes live at each step ``0..end_step`` (a buffer counts from its first step to
+        its last use; those kept to the end, to ``end_step``): its max is :meth:`peak`."""
+        live = np.zeros(end_step + 2, dtype=np.int64)
+        for start, end, size in self.buffers.values():
+            if size:
+                live[int(start)] += size
+                live[int(min(end, end_step)) + 1] -= size
+        return np.cumsum(live)[:-1]
+
     def peak(self, end_step: float) -> int:
         """Most bytes live at once; a buffer ends half a step after its last use."""
         rows = np.array([b for b in self.buffers.values() if b[2]], dtype=float).reshape(-1, 3)
@@ -489,6 +499,49 @@ def predict_checkpointed(
     already worked out).  The backward pass takes the steps of
     :func:`.schedule.backward_schedule`, as the rewrite does."""
     size = sizer or Sizer(unknown_dim)
+    replay = _replayed(region, ys, xs, checkpoints, size, fetched, stops, schedule)
+    forward_work = sum(size.cost(op) for op in region.order)
+    forward_seconds, backward_seconds = step_seconds(region, size)
+    return Prediction(
+        replay.timeline.peak(replay.step + 1), replay.recompute_work, forward_work,
+        size.assumptions(), tuple(replay.recomputed.most_common()), forward_seconds,
+        backward_seconds, replay.recompute_seconds,
+    )
+
+
+def late_gates(
+    region: graph_lib.ForwardRegion,
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    checkpoints: Sequence[tf.Tensor],
+    unknown_dim: int = 1,
+    stops: Sequence[tf.Tensor] = (),
+    schedule: schedule_lib.Schedule | None = None,
+) -> tuple:
+    """Which gated products of the checkpointed pass may wait late, without raising
+    the predicted peak (see :class:`.rewrite.GradientGates`).
+
+    A *gated product* is a recomputed product (``MatMul``, ``Conv2D``, ...;
+    :data:`.ops.GRADIENT_READS_OTHER_INPUT`) of a recomputed tensor and one
+    that is not (a weight): the gradient for the weight reads the recomputed
+    tensor, the one for the recomputed tensor does not.  Waiting late, its
+    gradients may run as late as the next gated product's gradients, so what
+    they read (the recomputed input, its output's gradient) is counted as
+    held until then.  In backward order each is let wait late where that
+    extra holding keeps the timeline at or under the peak with every gate
+    waiting on its own gradients (which :func:`predict_checkpointed` gives):
+    the predicted peak does not move.
+
+    Returns ``((step index, position in the step's segment ops), (the same of
+    its pair))`` for each product that waits late, in backward order.
+    """
+    replay = _replayed(region, ys, xs, checkpoints, Sizer(unknown_dim), True, stops,
+                       schedule, gates=True)
+    return replay.release_late()
+
+
+def _replayed(region, ys, xs, checkpoints, size, fetched, stops, schedule, gates=False):
+    """The :class:`_Replay` of a checkpointed pass, every step taken."""
     timeline, step = _forward_timeline(region, size)
     grads = _Gradients(timeline)
     xs_refs = {x.ref() for x in xs}
@@ -497,29 +550,32 @@ def predict_checkpointed(
         schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops)
     for y in ys:
         grads.add(y.ref(), size(y), step)
-    replay = _Replay(timeline, grads, region, xs_refs, size, memo, step)
+    replay = _Replay(timeline, grads, region, xs_refs, size, memo, step, gates)
     for backward_step in schedule.steps:
         # as the rewrite: a step runs when a gradient reaches one of its targets, and
         # builds nothing when none of its gradients reaches an x
         if any(grads.has(t) for t in backward_step.targets) and backward_step.inputs:
             replay.take(backward_step)
     grads.finish(fetched, xs_refs)
-    forward_work = sum(size.cost(op) for op in region.order)
-    forward_seconds, backward_seconds = step_seconds(region, size)
-    return Prediction(
-        timeline.peak(replay.step + 1), replay.recompute_work, forward_work, size.assumptions(),
-        tuple(replay.recomputed.most_common()), forward_seconds, backward_seconds,
-        replay.recompute_seconds,
-    )
+    return replay
+
+
+#: How far under the predicted peak (a share of it) the timeline must stay where a
+#: gated product waits late: the model's error near its peak.  Measured on
+#: ResNet-146 at batch 32 ('memory', predicted 50.4 MB, measured 47.9): a limit of
+#: the peak itself let the measured peak rise to 48.8 MB in 2 of 4 runs, 5% under
+#: it kept 47.9 MB in every run.
+LATE_HEADROOM = 0.05
 
 
 class _Replay:
     """The backward steps of a checkpointed pass on a timeline: recomputations and gradients."""
 
-    def __init__(self, timeline, grads, region, xs_refs, size, memo, step):
+    def __init__(self, timeline, grads, region, xs_refs, size, memo, step, gates=False):
         self.timeline, self.grads, self.region = timeline, grads, region
         self.xs_refs, self.size, self.memo = xs_refs, size, memo
         self.step = step  # the last step taken
+        self.gates = [] if gates else None  # gated products: (key, step, buffers read)
         self.recompute_work = 0.0
         self.recompute_seconds = 0.0
         self.recomputed: collections.Counter = collections.Counter()
@@ -535,10 +591,53 @@ class _Replay:
 
         if recompute:
             self._recompute(segment.ops, index, rename)
+        position = {op: i for i, op in enumerate(segment.ops)} if recompute else {}
         for op in reversed(segment.ops):
             self.step += 1
+            if self.gates is not None and recompute and self._is_gated_product(op, inside):
+                self._note_gate((index, position[op]), op, rename)
             _backward_op(op, self.step, self.timeline, self.grads, self.region, self.xs_refs,
                          self.size, self.memo, rename)
+
+    def _is_gated_product(self, op, inside: set) -> bool:
+        """A product of a recomputed tensor and one that is not, both needing a gradient."""
+        if op.type not in op_types.GRADIENT_READS_OTHER_INPUT or len(op.inputs) != 2:
+            return False
+        if not all(graph_lib.carries_gradient(t) and (t.op in self.region or t.ref() in self.xs_refs)
+                   for t in op.inputs):
+            return False
+        return sum(t.op in inside for t in op.inputs) == 1
+
+    def _note_gate(self, key, op, rename) -> None:
+        """Notes the buffers a gated product's gradients read: its inputs, its outputs'
+        gradients."""
+        alias = self.timeline.alias
+        held = {alias[rename(t.ref())] for t in op.inputs if rename(t.ref()) in alias}
+        held.update(k for t in op.outputs for k in self.grads.pending.get(t.ref(), ()))
+        self.gates.append((key, self.step, tuple(held)))
+
+    def release_late(self) -> tuple:
+        """Lets each gated product but the last wait late where holding what it reads
+        until the next one keeps the timeline :data:`LATE_HEADROOM` under its peak (see
+        :func:`late_gates`); returns the pairs, and the timeline holds them.  Linear in
+        the steps: each product's holds lie between its step and the next one's."""
+        buffers = self.timeline.buffers
+        live = self.timeline.live(self.step + 1)
+        limit = (1.0 - LATE_HEADROOM) * (int(live.max()) if len(live) else 0)
+        pairs = []
+        for (key, step, held), (next_key, next_step, _) in zip(self.gates, self.gates[1:]):
+            window = live[step + 1:next_step + 1]  # a view: updated in place when accepted
+            extra = np.zeros_like(window)
+            for k in held:
+                _, end, size = buffers[k]
+                if size and end < next_step:
+                    extra[max(0, int(end) - step):] += size
+            if not extra.any() or (window + extra)[extra > 0].max() <= limit:
+                window += extra
+                for k in held:
+                    buffers[k][1] = max(buffers[k][1], next_step)
+                pairs.append((key, next_key))
+        return tuple(pairs)
 
     def _recompute(self, ops, index, rename) -> None:
         """The copies of ``ops`` that run (:func:`graph.copies_that_run`), in order."""

@@ -78,3 +78,59 @@ def test_an_error_inside_leaves_the_op_as_it_was():
         except RuntimeError:
             pass
         assert y.op._gradient_function is None
+
+
+def _two_products_graph():
+    """u -> tanh -> x @ w1 -> tanh -> z @ w2 -> loss: two products of a recomputed tensor
+    and a weight; the backward pass differentiates the second (q) first."""
+    rng = np.random.RandomState(1)
+    u = tf.constant(rng.randn(8, 16).astype(np.float32))
+    w1 = tf.Variable(rng.randn(16, 16).astype(np.float32) * 0.1)
+    w2 = tf.Variable(rng.randn(16, 16).astype(np.float32) * 0.1)
+    x = tf.tanh(u)
+    y = tf.matmul(x, w1)
+    z = tf.tanh(y)
+    q = tf.matmul(z, w2)
+    return u, (w1, w2), (x, y, z, q), tf.reduce_sum(tf.tanh(q))
+
+
+def test_a_late_copy_waits_before_the_ops_built_on_its_pairs_gradients():
+    with tf.Graph().as_default():
+        u, weights, (x, y, z, q), loss = _two_products_graph()
+        plain = tf.compat.v1.gradients(loss, [u, *weights])
+        gates = rewrite.GradientGates()
+        with gates.recording([x.op, y.op, z.op, q.op], late=[q.op]):
+            late = tf.compat.v1.gradients(loss, [u, *weights])
+        # before finish(): q's gradients do not wait for each other
+        assert late[2].op.inputs[0].op is z.op  # the MatMul for w2 reads z
+        z_grad = _tanh_grads_of(z, "gradients_1/")
+        assert len(z_grad) == 1 and not z_grad[0].control_inputs, z_grad
+        gates.finish({q.op: y.op})
+        # after: the ops built on y's gradients (the TanhGrad below x) wait for both of
+        # q's gradient ops; the TanhGrad below z (built on q's) still waits for nothing
+        of_q = {late[2].op, z_grad[0].inputs[1].op}
+        x_grad = late[0].op  # the gradient of u = tanh's input
+        assert x_grad.type == "TanhGrad"
+        assert of_q <= set(x_grad.control_inputs), (x_grad.control_inputs, of_q)
+        assert not z_grad[0].control_inputs
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            a, b = session.run([plain, late])
+    for p, g in zip(a, b):
+        np.testing.assert_allclose(p, g, rtol=1e-6)
+
+
+def test_a_late_copy_without_a_pair_waits_on_its_own_gradients():
+    with tf.Graph().as_default():
+        u, weights, (x, y, z, q), loss = _two_products_graph()
+        gates = rewrite.GradientGates()
+        with gates.recording([x.op, y.op, z.op, q.op], late=[q.op]):
+            grads = tf.compat.v1.gradients(loss, [u, *weights])
+        gates.finish({q.op: None})
+        z_grad = _tanh_grads_of(z, "gradients/")
+        assert grads[2].op in z_grad[0].control_inputs
+
+
+def _tanh_grads_of(tanh: tf.Tensor, scope: str) -> list:
+    return [op for op in tanh.graph.get_operations()
+            if op.type == "TanhGrad" and op.inputs[0].op is tanh.op and op.name.startswith(scope)]
