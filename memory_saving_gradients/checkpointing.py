@@ -683,7 +683,9 @@ class _BackwardPass:
     Ordering: every copy and every new gradient op of a step waits (control
     inputs) for the gradients flowing into its targets, and a recomputation also
     waits for the previous recomputed step's gradients, where that closes no cycle
-    (:class:`_ReadersOfPendingGradients`).
+    (:class:`_ReadersOfPendingGradients`).  Inside a step, a copy's input gradients
+    wait for each other, or late where the memory model allows it
+    (:class:`.rewrite.GradientGates`, :func:`.simulate.late_gates`).
     """
 
     def __init__(self, request: _Request, schedule: schedule_lib.Schedule):
@@ -770,11 +772,12 @@ class _BackwardPass:
         # recomputed tensors in the order simulated (XLA drops control inputs: nothing
         # to gate there)
         gated = () if self._for_xla else {t.op for t in copies.values()}
+        late = set()
         for position, op in enumerate(step.segment.ops):
             if (index, position) in self._paired and op.outputs:
-                self._copy_at[index, position] = copies[op.outputs[0].ref()].op
-        late = {self._copy_at[key] for key in self._late
-                if key[0] == index and key in self._copy_at}
+                copy = self._copy_at[index, position] = copies[op.outputs[0].ref()].op
+                if (index, position) in self._late:
+                    late.add(copy)
         try:
             with self._gates.recording(gated, late):
                 input_grads = tf_gradients(

@@ -16,7 +16,9 @@ Sizes come from static shapes; an unknown dimension counts as
 ``unknown_dim`` and the prediction lists it among its assumptions.
 Workspace memory of kernels (e.g. convolution scratch) and the parallelism
 of the executor are not modelled; the slack this leaves is measured in the
-tests.
+tests.  Where the rewrite lets the executor run a gradient later than this
+order (:func:`late_gates`), the model counts what it reads as held until the
+latest point the rewrite allows, and allows it only under the peak.
 """
 
 from __future__ import annotations
