@@ -51,14 +51,18 @@ class Prediction:
     """A predicted peak, in bytes, and what it assumed."""
 
     peak_bytes: int
-    recompute_work: float
-    forward_work: float
+    forward_work: float  # the planner's cost (:meth:`Sizer.cost`) of every op of the region
     assumptions: tuple = ()
     recomputed_ops: tuple = ()  # (op type, how many copies of that type run), by count
     # the time model's seconds (:mod:`.timing`): the forward pass, the gradients, the copies
     forward_seconds: float = 0.0
     backward_seconds: float = 0.0
     recompute_seconds: float = 0.0
+
+    @property
+    def recompute_work(self) -> float:
+        """The recomputation in the planner's cost: the time model's seconds of the copies."""
+        return self.recompute_seconds
 
     @property
     def recompute_cost(self) -> float:
@@ -480,7 +484,7 @@ def predict_baseline(
     grads.finish(fetched)
     forward_work = sum(size.cost(op) for op in region.order)
     forward_seconds, backward_seconds = step_seconds(region, size)
-    return Prediction(timeline.peak(step + 1), 0.0, forward_work, size.assumptions(),
+    return Prediction(timeline.peak(step + 1), forward_work, size.assumptions(),
                       forward_seconds=forward_seconds, backward_seconds=backward_seconds)
 
 
@@ -505,9 +509,9 @@ def predict_checkpointed(
     forward_work = sum(size.cost(op) for op in region.order)
     forward_seconds, backward_seconds = step_seconds(region, size)
     return Prediction(
-        replay.timeline.peak(replay.step + 1), replay.recompute_work, forward_work,
-        size.assumptions(), tuple(replay.recomputed.most_common()), forward_seconds,
-        backward_seconds, replay.recompute_seconds,
+        replay.timeline.peak(replay.step + 1), forward_work, size.assumptions(),
+        tuple(replay.recomputed.most_common()), forward_seconds, backward_seconds,
+        replay.recompute_seconds,
     )
 
 
@@ -578,8 +582,7 @@ class _Replay:
         self.xs_refs, self.size, self.memo = xs_refs, size, memo
         self.step = step  # the last step taken
         self.gates = [] if gates else None  # gated products: (key, step, buffers read)
-        self.recompute_work = 0.0
-        self.recompute_seconds = 0.0
+        self.recompute_seconds = 0.0  # the planner's cost of the copies (Sizer.cost)
         self.recomputed: collections.Counter = collections.Counter()
 
     def take(self, backward_step) -> None:
@@ -650,7 +653,6 @@ class _Replay:
                 continue  # nothing reads this copy: grappler prunes it
             self.step += 1
             seconds = self.size.cost(op)  # the planner's cost is the time model's seconds
-            self.recompute_work += seconds
             self.recompute_seconds += seconds
             self.recomputed[op.type] += 1
             for t in op.inputs:
