@@ -42,11 +42,7 @@ def test_consumers_of_one_gradient_wait_for_the_others():
         # nothing is left behind on the op, and the first call was not gated
         assert y.op._gradient_function is None
         assert not plain[0].op.inputs[0].op.control_inputs
-        with tf.compat.v1.Session() as session:
-            session.run(tf.compat.v1.global_variables_initializer())
-            a, b = session.run([plain, gated])
-    for p, g in zip(a, b):
-        np.testing.assert_allclose(p, g, rtol=1e-6)
+        _assert_same_values(plain, gated)
 
 
 def test_gradients_that_all_read_recomputed_tensors_are_not_gated():
@@ -113,11 +109,7 @@ def test_a_late_copy_waits_before_the_ops_built_on_its_pairs_gradients():
         assert x_grad.type == "TanhGrad"
         assert of_q <= set(x_grad.control_inputs), (x_grad.control_inputs, of_q)
         assert not z_grad[0].control_inputs
-        with tf.compat.v1.Session() as session:
-            session.run(tf.compat.v1.global_variables_initializer())
-            a, b = session.run([plain, late])
-    for p, g in zip(a, b):
-        np.testing.assert_allclose(p, g, rtol=1e-6)
+        _assert_same_values(plain, late)
 
 
 def test_a_late_copy_without_a_pair_waits_on_its_own_gradients():
@@ -134,3 +126,12 @@ def test_a_late_copy_without_a_pair_waits_on_its_own_gradients():
 def _tanh_grads_of(tanh: tf.Tensor, scope: str) -> list:
     return [op for op in tanh.graph.get_operations()
             if op.type == "TanhGrad" and op.inputs[0].op is tanh.op and op.name.startswith(scope)]
+
+
+def _assert_same_values(plain: list, ordered: list) -> None:
+    """The gradients with and without waits evaluate to the same values."""
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        a, b = session.run([plain, ordered])
+    for p, g in zip(a, b):
+        np.testing.assert_allclose(p, g, rtol=1e-6)

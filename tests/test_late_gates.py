@@ -58,11 +58,16 @@ def _late(loss, xs, checkpoints):
     return region, schedule, simulate.late_gates(region, [loss], xs, checkpoints, 32, (), schedule)
 
 
+def _resnet20(strategy):
+    """A small ResNet, its xs as tensors, and the checkpoints ``strategy`` keeps."""
+    model = test_models.build("resnet", depth=20, batch=8, add_to_collection=True)
+    checkpoints = list(msg.plan(model.loss, model.params, checkpoints=strategy).checkpoints)
+    return model, _xs(model), checkpoints
+
+
 @pytest.mark.unit
 def test_pairs_follow_the_backward_order(graph):
-    model = test_models.build("resnet", depth=20, batch=8, add_to_collection=True)
-    xs = _xs(model)
-    checkpoints = list(msg.plan(model.loss, model.params, checkpoints="memory").checkpoints)
+    model, xs, checkpoints = _resnet20("memory")
     _, schedule, pairs = _late(model.loss, xs, checkpoints)
     assert pairs, "no product waits late on a ResNet"
     steps = {step.index: step for step in schedule.steps}
@@ -77,9 +82,7 @@ def test_pairs_follow_the_backward_order(graph):
 
 @pytest.mark.unit
 def test_the_predicted_peak_does_not_move(graph):
-    model = test_models.build("resnet", depth=20, batch=8, add_to_collection=True)
-    xs = _xs(model)
-    checkpoints = list(msg.plan(model.loss, model.params, checkpoints="memory").checkpoints)
+    model, xs, checkpoints = _resnet20("memory")
     region, schedule, _ = _late(model.loss, xs, checkpoints)
     replay = simulate._replayed(region, [model.loss], xs, checkpoints, simulate.Sizer(32), True,
                                 (), schedule, gates=True)
@@ -105,9 +108,7 @@ def test_products_near_the_peak_wait_on_their_own_gradients(graph):
 
 @pytest.mark.unit
 def test_more_headroom_never_lets_more_wait_late(graph, monkeypatch):
-    model = test_models.build("resnet", depth=20, batch=8, add_to_collection=True)
-    xs = _xs(model)
-    checkpoints = list(msg.plan(model.loss, model.params, checkpoints="speed").checkpoints)
+    model, xs, checkpoints = _resnet20("speed")
     counts = []
     for headroom in (0.0, 0.05, 0.2, 0.6):
         monkeypatch.setattr(simulate, "LATE_HEADROOM", headroom)
