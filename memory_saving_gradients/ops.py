@@ -47,6 +47,14 @@ REF_VARIABLES = frozenset({"VariableV2", "Variable"})
 #: Outputs that share their input's memory in the memory model: no new buffer.
 ALIASES = VALUE_FORWARDING | SAME_ELEMENTS | VARIABLE_READS
 
+#: v1 ``TensorArray`` ops whose registered gradient finds its accumulator by the name
+#: scope of the gradient it receives (``tensor_array_grad._GetGradSource``): an in-place
+#: step hands them gradients renamed into its own scope.
+GRADIENT_FINDS_ACCUMULATOR_BY_NAME = frozenset({
+    "TensorArrayReadV3", "TensorArrayWriteV3", "TensorArrayGatherV3", "TensorArrayScatterV3",
+    "TensorArrayConcatV3", "TensorArraySplitV3",
+})
+
 # -- shapes only ----------------------------------------------------------------------
 
 #: Ops that read only the shapes of their inputs: a tensor they read holds no buffer

@@ -150,3 +150,28 @@ def test_a_plan_that_keeps_nothing_is_plain_tf_gradients():
     assert the_plan.checkpoints == () and the_plan.schedule is None
     assert the_plan.predicted_peak_bytes == the_plan.baseline_peak_bytes
     assert the_plan.recompute_cost == 0 and the_plan.predicted_step_ratio == 1.0
+
+
+def test_in_place_steps_of_variable_reads_add_no_identities():
+    """A variable read's in-place step hands its gradient straight to the registered
+    gradient: only v1 TensorArray ops need it renamed through an identity (each is a
+    node the step runs), and the gradients still equal tf.gradients'."""
+    with tf.Graph().as_default() as graph:
+        model = test_models.resnet.build(depth=8, batch=2)
+        xs = list(model.params)
+        the_plan = msg.plan(model.loss, xs, checkpoints="memory")
+        in_place = {f"backprop_{s.index}" for s in the_plan.schedule.steps
+                    if s.handling == schedule.IN_PLACE}
+        assert len(in_place) >= len(xs) // 2, "the check needs in-place variable reads"
+        before = set(graph.get_operations())
+        ours = msg.gradients(model.loss, xs, checkpoints="memory")
+        renamed = [op.name for op in graph.get_operations() if op not in before
+                   and op.type == "Identity" and in_place & set(op.name.split("/"))]
+        theirs = tf.compat.v1.gradients(model.loss, xs)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            feed = dict(getattr(model, "feed_dict", None) or {})
+            got, want = session.run([ours, theirs], feed)
+    assert renamed == []
+    for a, b in zip(got, want):
+        assert abs(a - b).max() <= 1e-4 * (1 + abs(b).max())
