@@ -35,6 +35,7 @@ import hashlib
 import logging
 import statistics
 import time
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -530,7 +531,9 @@ def _baseline_prediction(msg, loss, xs) -> int:
     level = library_logger.level
     library_logger.setLevel(logging.ERROR)
     try:
-        return int(msg.plan(loss, xs, checkpoints="collection").baseline_peak_bytes)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", msg.NothingKeptWarning)
+            return int(msg.plan(loss, xs, checkpoints="collection").baseline_peak_bytes)
     finally:
         library_logger.setLevel(level)
 
