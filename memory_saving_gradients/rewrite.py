@@ -437,16 +437,17 @@ def _unfoldable_false(gradients: Sequence) -> tf.Tensor | None:
     return None
 
 
-def _named_here(output_grads: Sequence, outputs: Sequence[tf.Tensor], colocate: bool) -> list:
+def _named_here(output_grads: Sequence, op: tf.Operation, colocate: bool) -> list:
     """The given gradients through identities in the current name scope, as ``tf.gradients``
     passes its ``grad_ys``: a v1 ``TensorArray``'s gradient finds its accumulator by the
     scope of the gradient it receives, so every gradient of one call must come from its
     scope (else the loop's writes and the stack after it get different accumulators).
     Only those ops get them (:data:`.ops.GRADIENT_FINDS_ACCUMULATOR_BY_NAME`): each
     identity is a node the step runs."""
+    outputs = op.outputs
     given = [i for i, g in enumerate(output_grads) if g is not None]
     grads = list(output_grads)
-    if given:
+    if given and op.type in op_types.GRADIENT_FINDS_ACCUMULATOR_BY_NAME:
         named = default_grad_ys([grads[i] for i in given], [outputs[i] for i in given], colocate)
         for i, g in zip(given, named):
             grads[i] = g
@@ -473,8 +474,7 @@ def op_gradients(
         ) from None
     if grad_fn is None:
         return [None] * len(op.inputs)
-    grads = (_named_here(output_grads, op.outputs, colocate_gradients_with_ops)
-             if op.type in op_types.GRADIENT_FINDS_ACCUMULATOR_BY_NAME else list(output_grads))
+    grads = _named_here(output_grads, op, colocate_gradients_with_ops)
     for i, g in enumerate(grads):
         output = op.outputs[i]
         if g is None and _tf_internals.is_trainable(output) and (
