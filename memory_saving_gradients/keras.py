@@ -174,9 +174,14 @@ def _model_kind(model) -> str:
     )
 
 
-#: Input batches alive during a step: the one being trained and the one ``tf.data``
-#: prefetches meanwhile (Keras' data adapters prefetch).
-INPUT_BATCHES = 2
+#: Input batches counted as alive during a step.  A ``tf.data`` pipeline holds the
+#: batch being trained on, the ones its autotuned prefetch buffer (injected by
+#: default) has ready, and the one it is assembling.  Measured on this library's
+#: tests: iterating a ``.batch()`` pipeline held 2.4 batches at its peak, and Keras
+#: ``fit`` on one held 3 to 4.5 batches beyond the step (tests/test_largest_batch.py);
+#: the count leaves room for that spread.  Pass ``input_batches`` to
+#: :func:`largest_batch` for a pipeline whose buffers you know.
+INPUT_BATCHES = 5
 
 
 def step_plan(model: Model, checkpoints: str = "memory", input_spec: InputSpec | None = None) -> Plan:
@@ -208,12 +213,14 @@ def step_plan(model: Model, checkpoints: str = "memory", input_spec: InputSpec |
 
 
 def largest_batch(model: Model, memory: float | None = None, checkpoints: str | None = "memory",
-                  input_spec: InputSpec | None = None, headroom: float | None = None) -> int:
+                  input_spec: InputSpec | None = None, headroom: float | None = None,
+                  input_batches: int = INPUT_BATCHES) -> int:
     """The largest batch whose predicted training step fits ``memory`` bytes.
 
     What must fit: the model's variables and its optimizer's slot variables
-    (the optimizer is built if it is not yet, as ``fit`` would), two input
-    batches (``INPUT_BATCHES``) with targets the size of the outputs, and the step's predicted peak
+    (the optimizer is built if it is not yet, as ``fit`` would), ``input_batches``
+    input batches (:data:`INPUT_BATCHES`, 5, unless given) with targets the size of
+    the outputs, and the step's predicted peak
     (:func:`step_plan`, with ``headroom`` added), with ``checkpoints`` (a
     strategy name; None for plain ``tf.gradients``).
 
@@ -227,7 +234,10 @@ def largest_batch(model: Model, memory: float | None = None, checkpoints: str | 
     fixed = model_bytes(model)
     per_example = sum(_bytes_per_example(s) for s in _input_specs(model, input_spec))
     per_example += sum(_bytes_per_example(o) for o in tf.nest.flatten(_output_specs(model)))
-    per_example *= INPUT_BATCHES
+    if input_batches < 1:
+        raise ValueError(f"largest_batch: input_batches={input_batches!r}; at least the batch "
+                         "being trained on is alive, so pass 1 or more.")
+    per_example *= input_batches
     room = memory - fixed
     if room <= 0:
         return 0

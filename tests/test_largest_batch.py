@@ -162,7 +162,9 @@ def _keras_mlp(keras):
 
 
 def _fit_total(keras, model, batch, patched):
-    """Variables and slots, plus fit's own allocator peak over two batches of ``batch``."""
+    """Variables and slots, plus the worst of ``FITS`` allocator peaks of ``fit`` over two
+    batches of ``batch`` (the executor's order and tf.data's buffers vary from run to run:
+    the answer must fit in every one)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2 * batch, 512)).astype("float32")
     y = rng.integers(0, 10, len(x))
@@ -172,8 +174,12 @@ def _fit_total(keras, model, batch, patched):
             model.fit(data.take(1), verbose=0)
     else:
         model.fit(data.take(1), verbose=0)
-    peak = msg.peak_memory_during(lambda: model.fit(data, verbose=0))
+    peak = max(msg.peak_memory_during(lambda: model.fit(data, verbose=0)) for _ in range(FITS))
     return peak + msg.keras.model_bytes(model)
+
+
+#: Fits measured at each answer.
+FITS = 3
 
 
 @pytest.mark.slow
@@ -195,6 +201,10 @@ def test_keras_largest_batch():
             plain_batch = batch
     over = msg.keras.largest_batch(_keras_mlp(keras), memory=memory * 1.2)
     assert over > batch  # more memory, a larger batch
+    # a pipeline known to hold fewer batches trains a larger one
+    assert msg.keras.largest_batch(_keras_mlp(keras), memory=memory, input_batches=1) > batch
+    with pytest.raises(ValueError, match="input_batches=0"):
+        msg.keras.largest_batch(_keras_mlp(keras), memory=memory, input_batches=0)
     if not tf.config.list_physical_devices("GPU"):
         with pytest.raises(ValueError, match="memory="):
             msg.keras.largest_batch(_keras_mlp(keras))
