@@ -15,8 +15,8 @@ by 1e-6 of itself changes in ``tf.gradients``' own result (the model's
 round-off sensitivity; batch norm over 2x2 maps with a batch of 4 makes it
 large) or 1e-5 of the largest gradient, whichever is larger.
 
-CI runs ResNet50 and DenseNet121 with oneDNN on, with 'memory', 'balanced'
-and 'speed'.  The whole matrix (also the budget and the list, MobileNetV2,
+CI runs ResNet50 and DenseNet121 with oneDNN on: ResNet50 with all five,
+DenseNet121 with all but the list.  The whole matrix (also the budget and the list, MobileNetV2,
 EfficientNetB0, ConvNeXtTiny, and each with oneDNN off) runs with
 ``MSG_APPLICATIONS_MATRIX=1``; ConvNeXtTiny needs 32 px or more (64 is used).
 """
@@ -40,8 +40,11 @@ CI_MODELS = ("ResNet50", "DenseNet121")
 MATRIX_MODELS = CI_MODELS + ("MobileNetV2", "EfficientNetB0", "ConvNeXtTiny")
 FULL_MATRIX = os.environ.get("MSG_APPLICATIONS_MATRIX") == "1"
 STRATEGIES = ("memory", "balanced", "speed", "budget", "list")
-#: CI runs every strategy too, on the CI models
-CI_STRATEGIES = STRATEGIES
+#: CI runs every strategy on ResNet50 and every automatic one on DenseNet121: a list
+#: of every 10th layer's outputs is the same code on either, and on DenseNet121 (whose
+#: concatenations make it recompute 26k ops) it took 34 of the worker's 130 s.
+CI_STRATEGIES = {"ResNet50": STRATEGIES,
+                 "DenseNet121": tuple(s for s in STRATEGIES if s != "list")}
 
 pytest.importorskip("keras")
 
@@ -89,7 +92,7 @@ def check(result: dict) -> None:
 def _cases():
     if FULL_MATRIX:
         return [(name, onednn, STRATEGIES) for onednn in ("1", "0") for name in MATRIX_MODELS]
-    return [(name, "1", CI_STRATEGIES) for name in CI_MODELS]
+    return [(name, "1", CI_STRATEGIES[name]) for name in CI_MODELS]
 
 
 @pytest.mark.parametrize("name,onednn,variants", _cases())
