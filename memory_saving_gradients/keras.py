@@ -176,10 +176,10 @@ def _model_kind(model) -> str:
 
 #: Input batches counted as alive during a step.  A ``tf.data`` pipeline holds the
 #: batch being trained on, the ones its autotuned prefetch buffer (injected by
-#: default) has ready, and the one it is assembling.  Measured on this library's
-#: tests: iterating a ``.batch()`` pipeline held 2.4 batches at its peak, and Keras
-#: ``fit`` on one held 3 to 4.5 batches beyond the step (tests/test_largest_batch.py);
-#: the count leaves room for that spread.  Pass ``input_batches`` to
+#: default) has ready, and the one it is assembling.  Measured on the MLP of
+#: tests/test_largest_batch.py (docs/planner.md): iterating a ``.batch()`` pipeline
+#: held 2.4 batches at its peak, and Keras ``fit`` on one held about 2 to 5 batches beyond
+#: the step; the count leaves room for that spread.  Pass ``input_batches`` to
 #: :func:`largest_batch` for a pipeline whose buffers you know.
 INPUT_BATCHES = 5
 
@@ -219,7 +219,7 @@ def largest_batch(model: Model, memory: float | None = None, checkpoints: str | 
 
     What must fit: the model's variables and its optimizer's slot variables
     (the optimizer is built if it is not yet, as ``fit`` would), ``input_batches``
-    input batches (:data:`INPUT_BATCHES`, 5, unless given) with targets the size of
+    input batches (:data:`INPUT_BATCHES` unless given) with targets the size of
     the outputs, and the step's predicted peak
     (:func:`step_plan`, with ``headroom`` added), with ``checkpoints`` (a
     strategy name; None for plain ``tf.gradients``).
@@ -228,15 +228,15 @@ def largest_batch(model: Model, memory: float | None = None, checkpoints: str | 
     (its allocator's limit minus what it holds); without a GPU it must be
     given.  Returns 0 when not even a batch of one fits.
     """
+    if input_batches < 1:
+        raise ValueError(f"largest_batch: input_batches={input_batches!r}; at least the batch "
+                         "being trained on is alive, so pass 1 or more.")
     if memory is None:
         memory = device_free_memory()
     plan = step_plan(model, checkpoints or "memory", input_spec)
     fixed = model_bytes(model)
     per_example = sum(_bytes_per_example(s) for s in _input_specs(model, input_spec))
     per_example += sum(_bytes_per_example(o) for o in tf.nest.flatten(_output_specs(model)))
-    if input_batches < 1:
-        raise ValueError(f"largest_batch: input_batches={input_batches!r}; at least the batch "
-                         "being trained on is alive, so pass 1 or more.")
     per_example *= input_batches
     room = memory - fixed
     if room <= 0:
