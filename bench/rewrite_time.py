@@ -109,6 +109,7 @@ def _time_in_fresh_graph(build, value: int, choose) -> tuple:
             seconds, how = _timed(lambda: tf_gradients(loss, xs)), None
         else:
             checkpoints, how = choose(units)
+            memo.forget()  # plan every time: a retrace of the same size would reuse the plan
             seconds = _timed(lambda: checkpointing.gradients(loss, xs, checkpoints=checkpoints))
         return ops, seconds, len(graph.get_operations()) - ops, how
 

@@ -5,8 +5,11 @@ Layer: foundation; imports nothing of the library.
 Planning allocates many small, short-lived objects (lists, tuples, dicts)
 while TensorFlow keeps a large graph of Python objects alive; each automatic
 collection then walks that graph.  On a 14.5k-op ResNet, collections took
-about 40% of ``plan()``'s time.  Reference counting still frees what the
-planner drops; cycles wait for the next collection after the pause.
+about 40% of ``plan()``'s time.  ``gradients()`` pauses it for the whole call:
+re-enabled between its phases, the first collection walked everything the
+paused phase had allocated (0.9 s of an 8 s rewrite of a 20k-op ResNet).
+Reference counting still frees what is dropped; cycles wait for the next
+collection after the pause.
 """
 
 from __future__ import annotations

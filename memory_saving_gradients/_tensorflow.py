@@ -22,7 +22,9 @@ calls itself through a patch.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 import warnings
 
 from . import notices
@@ -162,9 +164,22 @@ def op_def(op_type: str):
 # -- gradients: TensorFlow's rules and registry ---------------------------------------
 
 
+#: (dtype, quantized-training flag) -> ``IsTrainable``: a pure function of the two for
+#: every dtype but ``variant`` (whose answer reads the tensor's handle data).
+_TRAINABLE_DTYPES: dict = {}
+
+
 def is_trainable(tensor: tf.Tensor) -> bool:
-    """``backprop_util.IsTrainable``: whether a gradient flows through ``tensor``."""
-    return _backprop_util.IsTrainable(tensor)
+    """``backprop_util.IsTrainable``: whether a gradient flows through ``tensor``
+    (remembered per dtype: the rewrite asks several times per tensor, ~5 us each)."""
+    dtype = tensor.dtype
+    if dtype == tf.variant:
+        return _backprop_util.IsTrainable(tensor)
+    key = (dtype, _backprop_util.flags.config().enable_quantized_dtypes_training.value())
+    found = _TRAINABLE_DTYPES.get(key)
+    if found is None:
+        found = _TRAINABLE_DTYPES[key] = _backprop_util.IsTrainable(tensor)
+    return found
 
 
 def supports_default_grad(tensor: tf.Tensor) -> bool:
@@ -176,11 +191,56 @@ def gradient_function(op: tf.Operation):
     """The gradient function ``tf.gradients`` uses for ``op`` (None when ``tf.no_gradient``;
     LookupError when none is registered), looked up through the module attribute that
     ``tf.gradients`` itself calls (so it sees :func:`replace_gradient_function_lookup`)."""
-    return _framework_ops.get_gradient_function(op)
+    lookup = _framework_ops.get_gradient_function
+    if lookup is ORIGINAL_GRADIENT_FUNCTION_LOOKUP:
+        return original_gradient_function(op)
+    return lookup(op)
 
 
 #: TensorFlow's own ``ops.get_gradient_function``, captured at import.
 ORIGINAL_GRADIENT_FUNCTION_LOOKUP = _framework_ops.get_gradient_function
+
+_remembered = threading.local()  # .types: op -> the registry name of its gradient
+
+
+@contextlib.contextmanager
+def gradient_types_remembered():
+    """Inside the block (this thread), :func:`original_gradient_function` reads each op's
+    ``_gradient_op_type`` attribute once.  TensorFlow raises (and catches) an error
+    for every op without one, about 13 us; the rewrite looks up each op's gradient
+    several times.  An op gets that attribute when it is created
+    (``gradient_override_map``), so a call's answers hold for the whole call."""
+    outer = getattr(_remembered, "types", None)
+    if outer is None:
+        _remembered.types = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _remembered.types = None
+
+
+def original_gradient_function(op: tf.Operation):
+    """What :data:`ORIGINAL_GRADIENT_FUNCTION_LOOKUP` gives for ``op`` (None for an op
+    without inputs or with ``tf.no_gradient``; LookupError when none is registered),
+    by the same steps as TensorFlow 2.21's ``ops.get_gradient_function``, the
+    attribute read once per op inside :func:`gradient_types_remembered`."""
+    types = getattr(_remembered, "types", None)
+    if types is None:
+        return ORIGINAL_GRADIENT_FUNCTION_LOOKUP(op)
+    if not op.inputs:
+        return None
+    function = op._gradient_function
+    if function:
+        return function
+    op_type = types.get(op)
+    if op_type is None:
+        try:
+            op_type = op.get_attr("_gradient_op_type")
+        except ValueError:
+            op_type = op.type
+        types[op] = op_type
+    return _framework_ops.gradient_registry.lookup(op_type)
 
 
 def replace_gradient_function_lookup(lookup) -> None:

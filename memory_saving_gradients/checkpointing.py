@@ -27,10 +27,11 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import batch as batch_lib
 from . import graph as graph_lib
-from . import guard, memo, notices, planning, recovery, reporting, rewrite, simulate, strategies
+from . import _gc, guard, memo, notices, planning, recovery, reporting, rewrite, simulate, strategies
 from . import schedule as schedule_lib
 from ._nesting import Nesting
 from ._tensorflow import gpu_visible, onednn_enabled, tf, tf_gradients
+from . import _tensorflow as _tf_internals
 from ._tensorflow import is_resource_variable as _is_resource_variable
 from ._units import MIB
 
@@ -109,10 +110,12 @@ def gradients(
         )
     reporting.called()
     try:
-        return _gradients(
-            ys, xs, grad_ys, checkpoints, name, colocate_gradients_with_ops, gate_gradients,
-            aggregation_method, stop_gradients, unconnected_gradients, memory_budget, batch_size,
-        )
+        with _gc.paused(), _tf_internals.gradient_types_remembered():
+            return _gradients(
+                ys, xs, grad_ys, checkpoints, name, colocate_gradients_with_ops, gate_gradients,
+                aggregation_method, stop_gradients, unconnected_gradients, memory_budget,
+                batch_size,
+            )
     except Exception:
         recovery.after_failure()  # the tf.function or Keras model being traced can trace again
         raise

@@ -568,7 +568,7 @@ def _note_copy(copy: tf.Operation, original: tf.Operation) -> None:
 
 
 def _observing_get_gradient_function(op):
-    function = _ORIGINAL_GET_GRADIENT_FUNCTION(op)
+    function = _tf_internals.original_gradient_function(op)
     calls = _current_calls()
     if function is None or calls is None or op.graph is not calls.graph:
         return function
@@ -583,7 +583,7 @@ def _observing_get_gradient_function(op):
 
 def original_gradient_function(op: tf.Operation) -> GradientFunction | None:
     """TensorFlow's ``get_gradient_function``, never observed (LookupError as TensorFlow)."""
-    return _ORIGINAL_GET_GRADIENT_FUNCTION(op)
+    return _tf_internals.original_gradient_function(op)
 
 
 @contextlib.contextmanager

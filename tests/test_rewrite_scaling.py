@@ -11,9 +11,9 @@ sizes are in ``bench.rewrite_time``, for the benchmark):
   fixed cost (its search over at most 400 cuts) weighs more, and the ratio
   is printed, not asserted (measured: ~2.5x chain, ~2.9-3.4x ResNet-152 at
   5k ops; ~2.4x at 20k, 2.1-2.7x at 10k and 100k).  CPU seconds of this process (``time.process_time``), model building
-  excluded, both measured in this process; a size whose check fails is
-  measured once more and the smaller time kept (other work on a shared
-  machine only ever adds time).
+  excluded, both measured in this process, each call planning afresh; a size
+  whose check fails is measured again (at most twice more) and the smaller
+  time of each kept (other work on a shared machine only ever adds time).
 - memory: the peak of Python allocations during ``gradients()``
   (``tracemalloc``) grows at most 1.5x faster than the ops (4x ops: <= 6x
   peak), and is at most 4x that of ``tf.gradients`` on the same graph: the
@@ -38,6 +38,7 @@ from memory_saving_gradients._tensorflow import tf_gradients
 SIZES = {"chain": (3_000, 12_000), "resnet": (5_000, 20_000)}
 MAX_TIME_GROWTH = 6.0   # for ~4x ops
 MAX_RATIO_TO_TF = 3.0
+RETRIES = 2  # a size whose check fails is measured again, at most this many times
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +66,15 @@ def test_rewrite_time_is_linear_and_within_3x_of_tf_gradients(model, builders, r
     _, (small_value, big_value) = scaling.sizes_for(model, SIZES[model], builders)
     small = _measure(model, small_value, builders)
     big = _measure(model, big_value, builders)
-    too_slow = big["ours_seconds"] / small["ours_seconds"] > MAX_TIME_GROWTH * big["ops"] / small["ops"] / 4
-    if too_slow:
-        small = _best(small, _measure(model, small_value, builders))
-    if too_slow or big["ratio"] > MAX_RATIO_TO_TF:
-        big = _best(big, _measure(model, big_value, builders))
+    for _ in range(RETRIES):
+        too_slow = (big["ours_seconds"] / small["ours_seconds"]
+                    > MAX_TIME_GROWTH * big["ops"] / small["ops"] / 4)
+        if too_slow:
+            small = _best(small, _measure(model, small_value, builders))
+        if too_slow or big["ratio"] > MAX_RATIO_TO_TF:
+            big = _best(big, _measure(model, big_value, builders))
+        else:
+            break
     ops_growth = big["ops"] / small["ops"]
     time_growth = big["ours_seconds"] / small["ours_seconds"]
     summary = (f"{model}: {small['ops']} -> {big['ops']} ops ({ops_growth:.1f}x); gradients() "

@@ -220,6 +220,41 @@ def test_gradient_lookup_is_replaced_where_tf_gradients_looks():
     assert shim.gradient_function(y.op) is shim.ORIGINAL_GRADIENT_FUNCTION_LOOKUP(y.op)
 
 
+def test_remembered_gradient_lookup_answers_as_tensorflow_does():
+    """Inside gradient_types_remembered the shim's lookup gives TensorFlow's answer for
+    every kind of op: registered, overridden by gradient_override_map, no inputs,
+    tf.no_gradient, a per-op override, and none registered (LookupError)."""
+
+    @tf.RegisterGradient("MsgTestRememberedSquare")
+    def _square_grad(op, grad):
+        return 3.0 * grad
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(2.0)
+        plain = tf.sin(x)
+        with graph.gradient_override_map({"Square": "MsgTestRememberedSquare"}):
+            overridden = tf.square(x)
+        stopped = tf.stop_gradient(plain)
+        unregistered = tf.raw_ops.Bitcast(input=x, type=tf.int32)
+        ops = [plain.op, overridden.op, x.op, stopped.op]
+        expected = [shim.ORIGINAL_GRADIENT_FUNCTION_LOOKUP(op) for op in ops]
+        with shim.gradient_types_remembered():
+            for _ in range(2):  # the second time from what was remembered
+                assert [shim.original_gradient_function(op) for op in ops] == expected
+                with pytest.raises(LookupError):
+                    shim.original_gradient_function(unregistered.op)
+            shim.set_gradient_override(plain.op, _square_grad)
+            try:
+                assert shim.original_gradient_function(plain.op) is _square_grad
+            finally:
+                shim.set_gradient_override(plain.op, None)
+        assert expected[1] is _square_grad and expected[2] is None and expected[3] is None
+        (grad,) = shim.tf_gradients(overridden, x)
+        with tf.compat.v1.Session() as session:
+            assert session.run(grad) == 3.0
+
+
 def test_gradient_building_helpers():
     graph = tf.Graph()
     with graph.as_default():
