@@ -25,13 +25,13 @@ import numbers
 import warnings
 from typing import Any, Iterable, Optional, Sequence, Union
 
+from . import _gc, guard, memo, notices, planning, recovery, reporting, rewrite, simulate, strategies
+from . import _tensorflow as _tf_internals
 from . import batch as batch_lib
 from . import graph as graph_lib
-from . import _gc, guard, memo, notices, planning, recovery, reporting, rewrite, simulate, strategies
 from . import schedule as schedule_lib
 from ._nesting import Nesting
 from ._tensorflow import gpu_visible, onednn_enabled, tf, tf_gradients
-from . import _tensorflow as _tf_internals
 from ._tensorflow import is_resource_variable as _is_resource_variable
 from ._units import MIB
 
