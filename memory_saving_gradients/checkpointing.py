@@ -781,6 +781,7 @@ class _BackwardPass:
                 copy = self._copy_at[index, position] = copies[op.outputs[0].ref()].op
                 if (index, position) in self._late:
                     late.add(copy)
+        made_after = graph_lib.last_op_id(copies[targets[0].ref()].graph)
         try:
             with self._gates.recording(gated, late):
                 input_grads = tf_gradients(
@@ -793,6 +794,13 @@ class _BackwardPass:
                 )
         except LookupError as error:
             raise _naming_original(error, step.segment.ops, copies) from error
+        if not self._for_xla:
+            # the gradient ops that read nothing recomputed run after the recomputation,
+            # as the memory model has them (else their buffers span it)
+            entries, sinks = graph_lib.early_gradient_ops(
+                [part for g in input_grads if g is not None for part in rewrite.tensors_of(g)],
+                {t.op for t in copies.values()}, made_after)
+            rewrite.add_control_inputs(entries, sinks)
         # The next recomputation waits for all of this one's gradients: segments
         # whose gradients are ready together would otherwise recompute at the same time.
         self._previous_results = [

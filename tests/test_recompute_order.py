@@ -1,0 +1,126 @@
+"""A recomputed step's gradient ops that read nothing recomputed wait for its copies.
+
+The memory model (simulate) runs a step's copies, then its gradient ops.  Some
+gradient ops read only the incoming gradient, constants and kept tensors: the
+slice of a concat's gradient for its kept input, a convolution of that slice
+with a weight.  Free to run before the copies, they held their buffers across
+the recomputation, and the measured peak moved with the executor's order (a
+U-Net's budget plan, predicted 32.9 MB, measured 32.9, 36.6 or 40.6 MB).
+``graph.early_gradient_ops`` finds them (and the copies that end the
+recomputation), and the rewrite makes them wait.  Asserted here:
+
+- structure: on a concat of a kept and a recomputed branch, the concat
+  gradient's slices run after the step's copies; shape reads and constant
+  copies count as no read; the walk adds nothing where no gradient op is free;
+- measured: the U-Net's budget plan peaks at its prediction in every traced
+  step of two fresh builds (before the fix: 1.11-1.23x in most of them).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import memory_saving_gradients as msg
+import test_models
+from memory_saving_gradients import graph as graph_lib
+from memory_saving_gradients import profiling
+
+MB = 2.0**20
+
+
+def _ancestors(op: tf.Operation) -> set:
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for above in [t.op for t in current.inputs] + list(current.control_inputs):
+            if above not in seen:
+                seen.add(above)
+                stack.append(above)
+    return seen
+
+
+def _skip_concat():
+    """x -> a (kept) -> b = relu(conv(a)) -> concat([b, a]) -> conv -> loss: the step
+    of the concat recomputes b; its gradient's slice for ``a`` reads no copy."""
+    rng = np.random.RandomState(0)
+    x = tf.constant(rng.randn(2, 8, 8, 4).astype(np.float32))
+    w0 = tf.Variable(rng.randn(3, 3, 4, 4).astype(np.float32) * 0.1)
+    w1 = tf.Variable(rng.randn(3, 3, 4, 4).astype(np.float32) * 0.1)
+    w2 = tf.Variable(rng.randn(3, 3, 8, 4).astype(np.float32) * 0.1)
+    a = tf.nn.relu(tf.nn.conv2d(x, w0, 1, "SAME"))
+    b = tf.nn.relu(tf.nn.conv2d(a, w1, 1, "SAME"))
+    joined = tf.concat([b, a], axis=3)
+    loss = tf.reduce_sum(tf.nn.conv2d(joined, w2, 1, "SAME") ** 2)
+    return loss, [w0.handle, w1.handle, w2.handle], a, joined
+
+
+@pytest.mark.unit
+def test_the_kept_inputs_slice_of_a_concat_gradient_waits_for_the_copies():
+    with tf.Graph().as_default() as graph:
+        loss, xs, a, joined = _skip_concat()
+        grads = msg.gradients(loss, xs, checkpoints=[a, joined])
+        slices = [op for op in graph.get_operations()
+                  if op.type == "Slice" and "concat_grad" in op.name and "recompute_" in op.name]
+        copies = [op for op in graph.get_operations()
+                  if op.name.startswith("gradients/recompute_") and op.type == "Relu"]
+        assert slices and copies, [op.name for op in graph.get_operations()]
+        for op in slices:
+            assert any(c in _ancestors(op) for c in copies), op.name
+        # values unchanged: the plain gradients
+        reference = tf.compat.v1.gradients(loss, xs)
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            got, expected = session.run([grads, reference])
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.unit
+def test_shape_reads_and_constant_copies_are_no_reads():
+    """A gradient op reading a copy's shape, or a constant copy, is free; one reading a
+    copy's values is not, and the copy it reads is the sink."""
+    with tf.Graph().as_default() as graph:
+        x = tf.compat.v1.placeholder(tf.float32, [4, 3])
+        copy = tf.tanh(x, name="copy")
+        constant_copy = tf.constant(2.0, name="constant_copy")
+        made_after = graph_lib.last_op_id(graph)
+        incoming = tf.compat.v1.placeholder(tf.float32, [4, 3])  # made before the step here
+        made_after_incoming = graph_lib.last_op_id(graph)
+        free = tf.reshape(incoming * constant_copy, tf.shape(copy), name="free")
+        reads = tf.multiply(incoming, copy, name="reads")
+        entries, sinks = graph_lib.early_gradient_ops(
+            [free, reads], [copy.op, constant_copy.op], made_after_incoming)
+        assert [op.name for op in entries] == ["mul"], [op.name for op in entries]
+        assert sinks == [copy.op]
+        # nothing free: nothing to wait
+        only_reads = tf.multiply(incoming, copy)
+        assert graph_lib.early_gradient_ops([only_reads], [copy.op], made_after_incoming) == ([], [])
+        # nothing recomputed is read: no sinks, no waits
+        assert graph_lib.early_gradient_ops([free], [copy.op], made_after_incoming) == ([], [])
+        assert made_after < made_after_incoming
+
+
+@pytest.mark.slow
+@pytest.mark.memory
+def test_unet_budget_plan_peaks_at_its_prediction_in_every_order():
+    size = dict(levels=4, base=32, image_size=64, batch=8)
+    budget = int(33.3 * MB)  # the frontier budget whose measured peak moved (docs/results.md)
+    shown = []
+    for _ in range(2):
+        with tf.Graph().as_default():
+            model = test_models.build("unet", add_to_collection=True, **size)
+            predicted = msg.plan(model.loss, model.params, checkpoints="memory",
+                                 memory_budget=budget).predicted_peak_bytes
+            grads = msg.gradients(model.loss, model.params, checkpoints="memory",
+                                  memory_budget=budget)
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                peaks = []
+                for _ in range(4):
+                    _, metadata = profiling.traced_run(session, grads, model.feed_dict)
+                    peaks.append(sum(profiling.peak_memory(metadata).values()))
+            shown.append(([round(p / MB, 1) for p in peaks], round(predicted / MB, 1)))
+            # measured 32.9 MB in every step against 32.9 predicted; before, up to 40.6
+            assert max(peaks) <= 1.02 * predicted, shown
