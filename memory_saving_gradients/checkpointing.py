@@ -708,9 +708,10 @@ class _BackwardPass:
         self._gates = rewrite.GradientGates()
         # (step index, segment position) of each gated product that may wait late -> its
         # pair's; their copies, as the steps are built
-        self._late = {} if self._for_xla else dict(simulate.late_gates(
+        self._order = simulate.StepOrder() if self._for_xla else simulate.step_order(
             request.region, request.ys, request.xs, request.checkpoints, request.unknown_dim,
-            request.stops, schedule))
+            request.stops, schedule)
+        self._late = dict(self._order.late)
         self._paired = set(self._late) | set(self._late.values())
         self._copy_at: dict = {}  # those keys -> their copies, as the steps are built
 
@@ -795,18 +796,30 @@ class _BackwardPass:
         except LookupError as error:
             raise _naming_original(error, step.segment.ops, copies) from error
         if not self._for_xla:
-            # the gradient ops that read nothing recomputed run after the recomputation,
-            # as the memory model has them (else their buffers span it)
-            entries, sinks = graph_lib.early_gradient_ops(
-                [part for g in input_grads if g is not None for part in rewrite.tensors_of(g)],
-                {t.op for t in copies.values()}, made_after)
-            rewrite.add_control_inputs(entries, sinks)
+            self._order_early_gradients(index, input_grads, copies, made_after)
         # The next recomputation waits for all of this one's gradients: segments
         # whose gradients are ready together would otherwise recompute at the same time.
         self._previous_results = [
             part.op for g in input_grads if g is not None for part in rewrite.tensors_of(g)
         ] or self._previous_results
         return input_grads
+
+    def _order_early_gradients(self, index, input_grads, copies, made_after) -> None:
+        """The step's gradient ops that read nothing recomputed wait for its recomputation,
+        as the memory model runs them, unless their outputs fit the model's headroom
+        there (:class:`.simulate.StepOrder`): running early, they hold their buffers
+        across it."""
+        entries, sinks, early = graph_lib.early_gradient_ops(
+            [part for g in input_grads if g is not None for part in rewrite.tensors_of(g)],
+            {t.op for t in copies.values()}, made_after)
+        if not entries:
+            return
+        held = sum(
+            graph_lib.tensor_bytes(t, self._request.unknown_dim)
+            for op in early if op.type not in simulate.ALIAS_OP_TYPES for t in op.outputs
+        )
+        if held > self._order.headroom.get(index, 0):
+            rewrite.add_control_inputs(entries, sinks)
 
     def finish_gates(self) -> None:
         """Adds the late gates' waits, now that every step's gradients are built."""

@@ -237,8 +237,8 @@ def _folds_to_constant(op: tf.Operation, folded: dict) -> bool:
 
 def early_gradient_ops(gradients: Sequence[tf.Tensor], copies: Iterable[tf.Operation],
                        made_after: int) -> tuple:
-    """``(entries, sinks)``: where a recomputed step's gradients may run before its
-    recomputation, and the copies that end it.
+    """``(entries, sinks, early)``: where a recomputed step's gradients may run before
+    its recomputation, the copies that end it, and every op that may run early.
 
     The memory model runs a step's copies first and then its gradient ops
     (:mod:`.simulate`).  A gradient op that reads no recomputed value (the slice
@@ -292,7 +292,7 @@ def early_gradient_ops(gradients: Sequence[tf.Tensor], copies: Iterable[tf.Opera
         and any(not _folds_to_constant(t.op, folded) for t in op.inputs)
     ]
     if not entries or not read_copies:
-        return [], []
+        return [], [], []
     running = set()
     stack = list(read_copies)
     while stack:  # the copies that run: those read, and the copies they read
@@ -304,7 +304,7 @@ def early_gradient_ops(gradients: Sequence[tf.Tensor], copies: Iterable[tf.Opera
                      if t.op in copies and not _folds_to_constant(t.op, folded))
     sinks = [op for op in sorted(running, key=op_order)
              if not any(c in running for t in op.outputs for c in t.consumers())]
-    return entries, sinks
+    return entries, sinks, sorted(early, key=op_order)
 
 
 def is_differentiable_in_place(op: tf.Operation) -> bool:

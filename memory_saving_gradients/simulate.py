@@ -541,9 +541,39 @@ def late_gates(
     Returns ``((step index, position in the step's segment ops), (the same of
     its pair))`` for each product that waits late, in backward order.
     """
+    return step_order(region, ys, xs, checkpoints, unknown_dim, stops, schedule).late
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOrder:
+    """What the rewrite's ordering waits may leave free, by the memory model.
+
+    ``late``: :func:`late_gates`' pairs.  ``headroom``: per recomputed step's
+    index, the bytes that may stay live across its recomputation beyond what the
+    model holds there, with the timeline still :data:`LATE_HEADROOM` under its
+    peak (the late holds counted): gradient ops that read nothing recomputed may
+    run before the recomputation where their outputs fit it
+    (:func:`.graph.early_gradient_ops`).
+    """
+
+    late: tuple = ()
+    headroom: dict = dataclasses.field(default_factory=dict)
+
+
+def step_order(
+    region: graph_lib.ForwardRegion,
+    ys: Sequence[tf.Tensor],
+    xs: Sequence[tf.Tensor],
+    checkpoints: Sequence[tf.Tensor],
+    unknown_dim: int = 1,
+    stops: Sequence[tf.Tensor] = (),
+    schedule: schedule_lib.Schedule | None = None,
+) -> StepOrder:
+    """The :class:`StepOrder` of the checkpointed pass: one replay, its gates released."""
     replay = _replayed(region, ys, xs, checkpoints, Sizer(unknown_dim), True, stops,
                        schedule, gates=True)
-    return replay.release_late()
+    late = replay.release_late()
+    return StepOrder(late, replay.recompute_headroom())
 
 
 def _replayed(region, ys, xs, checkpoints, size, fetched, stops, schedule, gates=False):
@@ -584,6 +614,7 @@ class _Replay:
         self.gates = [] if gates else None  # gated products: (key, step, buffers read)
         self.recompute_seconds = 0.0  # the planner's cost of the copies (Sizer.cost)
         self.recomputed: collections.Counter = collections.Counter()
+        self.windows: dict = {}  # recomputed step's index -> (first, last) timeline step
 
     def take(self, backward_step) -> None:
         """One step: its segment's recomputation, if recomputed, then its ops' gradients."""
@@ -595,7 +626,9 @@ class _Replay:
             return (index, ref) if ref.deref().op in inside else ref
 
         if recompute:
+            first = self.step + 1
             self._recompute(segment.ops, index, rename)
+            self.windows[index] = (first, self.step)
         position = {op: i for i, op in enumerate(segment.ops)} if recompute else {}
         for op in reversed(segment.ops):
             self.step += 1
@@ -643,6 +676,16 @@ class _Replay:
                     buffers[k][1] = max(buffers[k][1], next_step)
                 pairs.append((key, next_key))
         return tuple(pairs)
+
+    def recompute_headroom(self) -> dict:
+        """Per recomputed step, the bytes its recomputation's window may hold more with
+        the timeline :data:`LATE_HEADROOM` under its peak (see :class:`StepOrder`)."""
+        live = self.timeline.live(self.step + 1)
+        if not len(live):
+            return {}
+        limit = (1.0 - LATE_HEADROOM) * int(live.max())
+        return {index: int(limit - live[first:last + 1].max())
+                for index, (first, last) in self.windows.items() if last >= first}
 
     def _recompute(self, ops, index, rename) -> None:
         """The copies of ``ops`` that run (:func:`graph.copies_that_run`), in order."""

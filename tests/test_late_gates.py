@@ -128,7 +128,7 @@ def _peaks(name, late, builds=3, **size):
                 grads = msg.gradients(model.loss, model.params, checkpoints="memory")
             else:
                 with pytest.MonkeyPatch.context() as patch:
-                    patch.setattr(simulate, "late_gates", lambda *args, **kwargs: ())
+                    patch.setattr(simulate._Replay, "release_late", lambda self: ())
                     grads = msg.gradients(model.loss, model.params, checkpoints="memory")
             with tf.compat.v1.Session() as session:
                 session.run(tf.compat.v1.global_variables_initializer())
