@@ -29,8 +29,8 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 import test_models
-from memory_saving_gradients import graph as graph_lib
 from memory_saving_gradients import checkpointing, profiling, rewrite, simulate
+from memory_saving_gradients import graph as graph_lib
 
 MB = 2.0**20
 
