@@ -173,7 +173,7 @@ def is_trainable(tensor: tf.Tensor) -> bool:
     """``backprop_util.IsTrainable``: whether a gradient flows through ``tensor``
     (remembered per dtype: the rewrite asks several times per tensor, ~5 us each)."""
     dtype = tensor.dtype
-    if dtype == tf.variant:
+    if dtype.base_dtype == tf.variant:
         return _backprop_util.IsTrainable(tensor)
     key = (dtype, _backprop_util.flags.config().enable_quantized_dtypes_training.value())
     found = _TRAINABLE_DTYPES.get(key)

@@ -217,22 +217,39 @@ def copies_that_run(ops: Sequence[tf.Operation], needs_gradient: NeedsGradient =
     return running
 
 
-def _folds_to_constant(op: tf.Operation, folded: dict) -> bool:
+#: Stateless ops grappler's constant folding leaves alone (a fed default; a fill that
+#: may be larger than the constants it makes).
+_NOT_FOLDED = frozenset({"PlaceholderWithDefault", "Fill"})
+
+
+def _folds_to_constant(op: tf.Operation, folded: dict, made_after: int) -> bool:
     """Whether grappler's constant folding turns ``op`` into a constant: a ``Const``, a
-    shape-only read (``Shape``, ``Size``, ...) of statically shaped tensors, or a
-    stateless op of such constants only.  ``folded`` remembers the answers."""
+    shape-only read (``Shape``, ``Size``, ...) of statically shaped tensors, or, for an
+    op made after ``made_after``, a stateless op of such constants only.  Older ops
+    are judged by their own type alone (no walk up the graph); ``folded`` remembers
+    the answers, so that ops judged in creation order recurse one level at most."""
     found = folded.get(op)
     if found is None:
         if op.type == "Const":
             found = True
+        elif op.type == "BroadcastGradientArgs":  # reads shapes as values
+            found = all(_folds_to_constant(t.op, folded, made_after) for t in op.inputs)
         elif op.type in op_types.SHAPE_ONLY_READERS:
             found = all(t.shape.is_fully_defined() for t in op.inputs)
+        elif op_order(op) <= made_after or op.type in _NOT_FOLDED:
+            found = False
         else:
-            found = (bool(op.inputs) and not op.control_inputs
-                     and not op.op_def.is_stateful
-                     and all(_folds_to_constant(t.op, folded) for t in op.inputs))
+            found = (bool(op.inputs) and not op.control_inputs and not _is_stateful(op)
+                     and all(_folds_to_constant(t.op, folded, made_after) for t in op.inputs))
         folded[op] = found
     return found
+
+
+def _is_stateful(op: tf.Operation) -> bool:
+    try:
+        return op.op_def.is_stateful
+    except (KeyError, ValueError):  # a function called by name: no registered OpDef
+        return True
 
 
 def early_gradient_ops(gradients: Sequence[tf.Tensor], copies: Iterable[tf.Operation],
@@ -255,10 +272,15 @@ def early_gradient_ops(gradients: Sequence[tf.Tensor], copies: Iterable[tf.Opera
     and read a value from outside (the incoming gradient), none made by another
     entry's kind; ``sinks``: the copies that run (read by a gradient op, or
     feeding one that is) and feed no other copy that runs.  Making the
-    entries wait for the sinks gives the model's order.  Linear in the ops.
+    entries wait for the sinks gives the model's order.  Empty lists where no op
+    is free or nothing recomputed is read.  Linear in the ops.
     """
     copies = set(copies)
     folded: dict = {}
+
+    def folds(op) -> bool:
+        return _folds_to_constant(op, folded, made_after)
+
     made: dict = {}  # op made for the step -> whether it reads a recomputed value
     stack = [t.op for t in gradients if op_order(t.op) > made_after]
     order = []
@@ -275,21 +297,21 @@ def early_gradient_ops(gradients: Sequence[tf.Tensor], copies: Iterable[tf.Opera
     order.sort(key=op_order)  # inputs before their readers
 
     def recomputed(op) -> bool:
-        return (op in copies and not _folds_to_constant(op, folded)) or made.get(op, False)
+        return (op in copies and not folds(op)) or made.get(op, False)
 
     read_copies = set()
     for op in order:
-        if _folds_to_constant(op, folded):
+        if folds(op):
             made[op] = False
             continue
         above = [t.op for t in op.inputs] + list(op.control_inputs)
         made[op] = any(recomputed(a) for a in above)
-        read_copies.update(a for a in above if a in copies and not _folds_to_constant(a, folded))
-    early = {op for op in order if not made[op] and not _folds_to_constant(op, folded)}
+        read_copies.update(a for a in above if a in copies and not folds(a))
+    early = {op for op in order if not made[op] and not folds(op)}
     entries = [
         op for op in order if op in early
         and not any(a in early for a in [t.op for t in op.inputs] + list(op.control_inputs))
-        and any(not _folds_to_constant(t.op, folded) for t in op.inputs)
+        and any(not folds(t.op) for t in op.inputs)
     ]
     if not entries or not read_copies:
         return [], [], []
@@ -301,7 +323,7 @@ def early_gradient_ops(gradients: Sequence[tf.Tensor], copies: Iterable[tf.Opera
             continue
         running.add(op)
         stack.extend(t.op for t in op.inputs
-                     if t.op in copies and not _folds_to_constant(t.op, folded))
+                     if t.op in copies and not folds(t.op))
     sinks = [op for op in sorted(running, key=op_order)
              if not any(c in running for t in op.outputs for c in t.consumers())]
     return entries, sinks, sorted(early, key=op_order)

@@ -549,8 +549,8 @@ class StepOrder:
     """What the rewrite's ordering waits may leave free, by the memory model.
 
     ``late``: :func:`late_gates`' pairs.  ``headroom``: per recomputed step's
-    index, the bytes that may stay live across its recomputation beyond what the
-    model holds there, with the timeline still :data:`LATE_HEADROOM` under its
+    index, the bytes that may stay live across its recomputation and gradients
+    beyond what the model holds there, with the timeline still :data:`LATE_HEADROOM` under its
     peak (the late holds counted): gradient ops that read nothing recomputed may
     run before the recomputation where their outputs fit it
     (:func:`.graph.early_gradient_ops`).
@@ -614,7 +614,7 @@ class _Replay:
         self.gates = [] if gates else None  # gated products: (key, step, buffers read)
         self.recompute_seconds = 0.0  # the planner's cost of the copies (Sizer.cost)
         self.recomputed: collections.Counter = collections.Counter()
-        self.windows: dict = {}  # recomputed step's index -> (first, last) timeline step
+        self.windows: dict = {}  # recomputed step's index -> its (first, last) timeline step
 
     def take(self, backward_step) -> None:
         """One step: its segment's recomputation, if recomputed, then its ops' gradients."""
@@ -628,7 +628,6 @@ class _Replay:
         if recompute:
             first = self.step + 1
             self._recompute(segment.ops, index, rename)
-            self.windows[index] = (first, self.step)
         position = {op: i for i, op in enumerate(segment.ops)} if recompute else {}
         for op in reversed(segment.ops):
             self.step += 1
@@ -636,6 +635,8 @@ class _Replay:
                 self._note_gate((index, position[op]), op, rename)
             _backward_op(op, self.step, self.timeline, self.grads, self.region, self.xs_refs,
                          self.size, self.memo, rename)
+        if recompute:  # the recomputation and the gradients: an early op may span both
+            self.windows[index] = (first, self.step)
 
     def _is_gated_product(self, op, inside: set) -> bool:
         """A product of a recomputed tensor and one that is not, both needing a gradient."""

@@ -70,24 +70,38 @@ def _slices_and_copies(graph):
     return slices, copies
 
 
-@pytest.mark.unit
-def test_the_kept_inputs_slice_of_a_concat_gradient_waits_for_the_copies(monkeypatch):
+def _slices_wait(headroom_of) -> bool:
+    """Build the skip-concat model's gradients with each step's headroom replaced by
+    ``headroom_of(real headroom)``; check their values against tf.gradients and
+    return whether every concat-gradient slice waits for a copy."""
     real_order = simulate.step_order
-    monkeypatch.setattr(simulate, "step_order", lambda *args, **kwargs: simulate.StepOrder(
-        real_order(*args, **kwargs).late, {}))  # no headroom anywhere
-    with tf.Graph().as_default() as graph:
-        loss, xs, a, joined = _skip_concat()
-        grads = msg.gradients(loss, xs, checkpoints=[a, joined])
-        slices, copies = _slices_and_copies(graph)
-        for op in slices:
-            assert any(c in _ancestors(op) for c in copies), op.name
-        # values unchanged: the plain gradients
-        reference = tf.compat.v1.gradients(loss, xs)
-        with tf.compat.v1.Session() as session:
-            session.run(tf.compat.v1.global_variables_initializer())
-            got, expected = session.run([grads, reference])
-        for g, e in zip(got, expected):
-            np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+
+    def order(*args, **kwargs):
+        found = real_order(*args, **kwargs)
+        return simulate.StepOrder(found.late, headroom_of(found.headroom))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(simulate, "step_order", order)
+        with tf.Graph().as_default() as graph:
+            loss, xs, a, joined = _skip_concat()
+            grads = msg.gradients(loss, xs, checkpoints=[a, joined])
+            slices, copies = _slices_and_copies(graph)
+            waits = [any(c in _ancestors(op) for c in copies) for op in slices]
+            reference = tf.compat.v1.gradients(loss, xs)
+            with tf.compat.v1.Session() as session:
+                session.run(tf.compat.v1.global_variables_initializer())
+                got, expected = session.run([grads, reference])
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6)
+    assert len(set(waits)) == 1, waits  # all or none
+    return waits[0]
+
+
+@pytest.mark.unit
+def test_the_kept_inputs_slice_of_a_concat_gradient_waits_for_the_copies():
+    assert _slices_wait(lambda headroom: {})  # no headroom anywhere: they wait
+    # room for everything: the same slices stay free to overlap the recomputation
+    assert not _slices_wait(lambda headroom: {index: 2**62 for index in headroom})
 
 
 @pytest.mark.unit
@@ -126,7 +140,7 @@ def test_shape_reads_and_constant_copies_are_no_reads():
         made_after = graph_lib.last_op_id(graph)
         incoming = tf.compat.v1.placeholder(tf.float32, [4, 3])  # made before the step here
         made_after_incoming = graph_lib.last_op_id(graph)
-        free = tf.reshape(incoming * constant_copy, tf.shape(copy), name="free")
+        free = tf.reshape(incoming * constant_copy, tf.raw_ops.Shape(input=copy), name="free")
         reads = tf.multiply(incoming, copy, name="reads")
         entries, sinks, early = graph_lib.early_gradient_ops(
             [free, reads], [copy.op, constant_copy.op], made_after_incoming)
