@@ -818,7 +818,7 @@ class _BackwardPass:
             graph_lib.tensor_bytes(t, self._request.unknown_dim)
             for op in early if op.type not in simulate.ALIAS_OP_TYPES for t in op.outputs
         )
-        if held > self._order.headroom.get(index, 0):
+        if held > self._order.headroom.get(index, 0) + self._order.tolerance:
             rewrite.add_control_inputs(entries, sinks)
 
     def finish_gates(self) -> None:

@@ -558,6 +558,7 @@ class StepOrder:
 
     late: tuple = ()
     headroom: dict = dataclasses.field(default_factory=dict)
+    tolerance: int = 0  # bytes early ops may add beyond the headroom: the model's error margin
 
 
 def step_order(
@@ -573,7 +574,9 @@ def step_order(
     replay = _replayed(region, ys, xs, checkpoints, Sizer(unknown_dim), True, stops,
                        schedule, gates=True)
     late = replay.release_late()
-    return StepOrder(late, replay.recompute_headroom())
+    live = replay.timeline.live(replay.step + 1)
+    peak = int(live.max()) if len(live) else 0
+    return StepOrder(late, replay.recompute_headroom(), int(LATE_HEADROOM * peak))
 
 
 def _replayed(region, ys, xs, checkpoints, size, fetched, stops, schedule, gates=False):

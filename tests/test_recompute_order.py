@@ -118,7 +118,7 @@ def test_free_gradients_wait_exactly_where_their_bytes_exceed_the_headroom(monke
             held = sum(graph_lib.tensor_bytes(t, 32) for op in early
                        if op.type not in simulate.ALIAS_OP_TYPES for t in op.outputs)
             waits = all(set(sinks) <= set(op.control_inputs) for op in entries)
-            seen.append((held, self._order.headroom.get(index, 0), waits))
+            seen.append((held, self._order.headroom.get(index, 0) + self._order.tolerance, waits))
 
     monkeypatch.setattr(checkpointing._BackwardPass, "_order_early_gradients", noted)
     with tf.Graph().as_default():
