@@ -420,6 +420,9 @@ def choose_checkpoints(
             if not usable:
                 _warn_nothing_kept(checkpoints, ys, xs, region, options["unknown_dim"], unknown,
                                    memory_budget)
+            elif checkpoints in _RULE_STRATEGIES:
+                usable = _unless_nothing_saved(checkpoints, usable, ys, xs, region,
+                                               options["unknown_dim"])
             return usable
 
         key = _memo_key(checkpoints, memory_budget, options["unknown_dim"], region, ys, xs)
@@ -535,6 +538,34 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
         "(no memory is saved).",
         notices.NothingKeptWarning, stacklevel=2,
     )
+
+
+#: Strategies that keep tensors by a rule, not by the memory model: they fall back to plain
+#: tf.gradients where the model predicts their plan saves nothing.
+_RULE_STRATEGIES = ("speed",)
+
+
+def _unless_nothing_saved(checkpoints, usable, ys, xs, region, unknown_dim) -> list:
+    """``usable``, or [] with a warning where the memory model predicts no lower peak for
+    it than plain tf.gradients' (recomputing would then cost time for nothing).
+
+    With an unknown batch the peaks are compared at the largest planning batch, where
+    activations weigh most.
+    """
+    at = batch_lib.PLANNING_BATCHES[-1] if unknown_dim is None else unknown_dim
+    peaks = batch_lib.PeakModel(region, ys, xs, usable)
+    planned, plain = peaks.peak_at(at), peaks.peak_at(at, plain=True)
+    if planned < plain:
+        return usable
+    warnings.warn(
+        f"checkpoints={checkpoints!r} saves nothing on this graph: keeping its "
+        f"{len(usable)} tensors, the memory model predicts a peak of {planned / MIB:.2f} MB "
+        f"against plain tf.gradients' {plain / MIB:.2f} MB (at batch {at}; "
+        f"{_why_nothing_helps(region)}). Using plain tf.gradients (no recomputation); "
+        "checkpoints='memory' searches for a plan that does save.",
+        notices.NothingKeptWarning, stacklevel=3,
+    )
+    return []
 
 
 def _why_nothing_helps(region) -> str:

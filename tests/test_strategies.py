@@ -9,6 +9,8 @@ issue's, the slack stated where a prediction is compared.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -105,10 +107,70 @@ def test_speed_chooses_by_op_type_not_name(graph):
     product = tf.matmul(x, w, name="relu_not_a_matmul")
     activation = tf.nn.relu(product, name="conv_not_a_conv")
     loss = tf.reduce_sum(tf.tanh(tf.matmul(activation, w, name="plain")))
-    chosen = msg.plan(loss, [w], checkpoints="speed").checkpoints
+    # the rule itself: on a graph this small 'speed' saves nothing, so gradients() and
+    # plan() fall back to plain tf.gradients (test_speed_falls_back_where_it_saves_nothing)
+    chosen = strategies.speed([loss], [x], graph_lib.forward_region([loss], [x]))
     names = {t.name for t in chosen}
     assert "relu_not_a_matmul:0" in names and "plain:0" in names
     assert "conv_not_a_conv:0" not in names
+
+
+def _relu_mlp(width=64, batch=256, depth=6, tanh_too=False):
+    """A ReLU MLP (ReLU then tanh with ``tanh_too``) in the default graph: (loss, weights, feed)."""
+    rng = np.random.default_rng(0)
+    x = tf.compat.v1.placeholder(tf.float32, [batch, width])
+    ws = [tf.Variable((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32))
+          for _ in range(depth)]
+    h = x
+    for w in ws:
+        h = tf.nn.relu(tf.matmul(h, w))
+        if tanh_too:
+            h = tf.tanh(h)
+    return tf.reduce_sum(h * h), ws, {x: rng.standard_normal((batch, width)).astype(np.float32)}
+
+
+def _traced_peak(grads, feed) -> int:
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        session.run(grads, feed)  # warm-up
+        _, metadata = profiling.traced_run(session, grads, feed)
+    return sum(profiling.peak_memory(metadata).values())
+
+
+@pytest.mark.memory
+def test_speed_falls_back_where_it_saves_nothing():
+    """On a ReLU MLP 'speed' would keep each matmul's output in place of its ReLU's, the
+    same bytes: recomputing would cost time for nothing.  gradients() warns (once per
+    graph structure), and it and plan() are plain tf.gradients; the kept list itself, forced, measures no lower peak (so
+    the fallback loses nothing), and with a tanh after each ReLU 'speed' rewrites."""
+    with tf.Graph().as_default() as graph:
+        loss, ws, feed = _relu_mlp()
+        want = tf.compat.v1.gradients(loss, ws)
+        with pytest.warns(msg.NothingKeptWarning, match="'speed' saves nothing.*plain tf.gradients"):
+            got = msg.gradients(loss, ws, checkpoints="speed")
+        assert not [op for op in graph.get_operations() if "recompute" in op.name]
+        the_plan = msg.plan(loss, ws, checkpoints="speed")  # remembered: warned once above
+        assert the_plan.checkpoints == () and the_plan.recompute_cost == 0
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            for a, b in zip(*session.run([got, want], feed)):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        plain = _traced_peak(want, feed)
+        x = next(iter(feed))
+        forced = msg.gradients(loss, ws, checkpoints=strategies.speed(
+            [loss], [x], graph_lib.forward_region([loss], [x])))
+        assert [op for op in graph.get_operations() if "recompute" in op.name]
+        kept_matmuls = _traced_peak(forced, feed)
+    # the same bytes kept (slack: 3%, the executor's order of the small buffers)
+    assert kept_matmuls >= 0.97 * plain, (kept_matmuls / MB, plain / MB)
+    with tf.Graph().as_default() as graph:
+        loss, ws, feed = _relu_mlp(tanh_too=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", msg.NothingKeptWarning)
+            the_plan = msg.plan(loss, ws, checkpoints="speed")
+            msg.gradients(loss, ws, checkpoints="speed")
+        assert the_plan.checkpoints and the_plan.predicted_peak_bytes < the_plan.baseline_peak_bytes
+        assert [op for op in graph.get_operations() if "recompute" in op.name]
 
 
 @pytest.mark.slow

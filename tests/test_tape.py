@@ -27,8 +27,8 @@ def x():
 
 def _forward(weights, x):
     h = x
-    for w in weights:
-        h = tf.tanh(tf.matmul(h, w))
+    for w in weights:  # two tanhs a layer: 'speed' (keep the matmuls) then saves memory
+        h = tf.tanh(tf.tanh(tf.matmul(h, w)))
     return tf.reduce_sum(h * h)
 
 
