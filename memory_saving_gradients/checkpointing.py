@@ -560,12 +560,21 @@ def _unless_nothing_saved(checkpoints, usable, ys, xs, region, unknown_dim) -> l
     warnings.warn(
         f"checkpoints={checkpoints!r} saves nothing on this graph: keeping its "
         f"{len(usable)} tensors, the memory model predicts a peak of {planned / MIB:.2f} MB "
-        f"against plain tf.gradients' {plain / MIB:.2f} MB (at batch {at}; "
-        f"{_why_nothing_helps(region)}). Using plain tf.gradients (no recomputation); "
+        f"against plain tf.gradients' {plain / MIB:.2f} MB (at batch {at}; {_why_speed_saves_nothing(region)}). "
+        "Using plain tf.gradients (no recomputation); "
         "checkpoints='memory' searches for a plan that does save.",
         notices.NothingKeptWarning, stacklevel=3,
     )
     return []
+
+
+def _why_speed_saves_nothing(region) -> str:
+    """Why keeping the expensive ops' outputs saves nothing: ops kept whole, or outputs that
+    weigh what the activations recomputed from them do."""
+    if any(op.type in graph_lib.CONTROL_FLOW_OP_TYPES for op in region.order):
+        return _why_nothing_helps(region)
+    return ("each kept output weighs as much as the activations it would be recomputed into, "
+            "e.g. a matmul's output in place of its activation's")
 
 
 def _why_nothing_helps(region) -> str:

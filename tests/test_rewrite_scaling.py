@@ -50,7 +50,7 @@ def builders():
     return scaling._builders()
 
 
-def _measure(model, value, builders):
+def _measure(model, value):
     """``bench.rewrite_time.time_one`` in a fresh Python process.
 
     Inside the whole suite this process has built thousands of graphs before it gets
@@ -60,7 +60,6 @@ def _measure(model, value, builders):
     build more than ours, so both are timed where neither has it, as in a user's
     process that builds its step once.
     """
-    del builders  # the child builds its own
     code = ("import json; from bench import rewrite_time as r; "
             f"print('RESULT ' + json.dumps(r.time_one({model!r}, {int(value)})))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -86,15 +85,15 @@ def _best(first, again):
 @pytest.mark.parametrize("model", sorted(SIZES))
 def test_rewrite_time_is_linear_and_within_3x_of_tf_gradients(model, builders, record_property):
     _, (small_value, big_value) = scaling.sizes_for(model, SIZES[model], builders)
-    small = _measure(model, small_value, builders)
-    big = _measure(model, big_value, builders)
+    small = _measure(model, small_value)
+    big = _measure(model, big_value)
     for _ in range(RETRIES):
         too_slow = (big["ours_seconds"] / small["ours_seconds"]
                     > MAX_TIME_GROWTH * big["ops"] / small["ops"] / 4)
         if too_slow:
-            small = _best(small, _measure(model, small_value, builders))
+            small = _best(small, _measure(model, small_value))
         if too_slow or big["ratio"] > MAX_RATIO_TO_TF:
-            big = _best(big, _measure(model, big_value, builders))
+            big = _best(big, _measure(model, big_value))
         else:
             break
     ops_growth = big["ops"] / small["ops"]
