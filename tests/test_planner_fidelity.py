@@ -97,8 +97,9 @@ def test_no_bn_resnet_prediction_within_10_percent(no_bn_peaks, matmuls, variant
 def test_build_time_on_resnet110_against_tf_gradients():
     """gradients(checkpoints='memory') builds ResNet-110 (batch 2) in at most 4.5x
     tf.gradients' time, both warmed up, best of three: a generous bound for growth
-    (measured 2.24x-2.92x on this 2-core machine; the issue's target is 3x)."""
-    row = rewrite_time.warm_build_ratio(depth=110, batch=2)
+    (measured 2.24x-2.92x on this 2-core machine; the issue's target is 3x), each
+    measurement in a fresh process, as the benchmark takes it."""
+    row = rewrite_time.in_fresh_process("warm_build_ratio", depth=110, batch=2)
     if row["ratio"] > 4.5:  # a busy machine only adds time: measure once more
-        row = rewrite_time.warm_build_ratio(depth=110, batch=2)
+        row = rewrite_time.in_fresh_process("warm_build_ratio", depth=110, batch=2)
     assert row["ratio"] <= 4.5, row

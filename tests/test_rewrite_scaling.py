@@ -23,10 +23,7 @@ sizes are in ``bench.rewrite_time``, for the benchmark):
 from __future__ import annotations
 
 import gc
-import json
 import os
-import subprocess
-import sys
 import tracemalloc
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -38,7 +35,6 @@ import memory_saving_gradients as msg
 from bench import rewrite_time as scaling
 from memory_saving_gradients._tensorflow import tf_gradients
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = {"chain": (3_000, 12_000), "resnet": (5_000, 20_000)}
 MAX_TIME_GROWTH = 6.0   # for ~4x ops
 MAX_RATIO_TO_TF = 3.0
@@ -51,24 +47,10 @@ def builders():
 
 
 def _measure(model, value):
-    """``bench.rewrite_time.time_one`` in a fresh Python process.
-
-    Inside the whole suite this process has built thousands of graphs before it gets
-    here. In one clean-clone run there, at 20k ResNet ops, tf.gradients took 1.95 s
-    and gradients() 6.39 s (3.28x, best of three); in fresh processes a few minutes
-    later 2.59 s and 6.36 s (2.45x). The suite's history speeds up TensorFlow's own
-    build more than ours, so both are timed where neither has it, as in a user's
-    process that builds its step once.
-    """
-    code = ("import json; from bench import rewrite_time as r; "
-            f"print('RESULT ' + json.dumps(r.time_one({model!r}, {int(value)})))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (_ROOT, os.environ.get("PYTHONPATH", "")) if p))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=_ROOT, env=env, timeout=900)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    """``bench.rewrite_time.time_one`` in a fresh Python process: inside the whole suite
+    this process has built thousands of graphs, which speeds up TensorFlow's own build
+    more than ours (see ``bench.rewrite_time.in_fresh_process``)."""
+    return scaling.in_fresh_process("time_one", timeout=900, model=model, value=int(value))
 
 
 def _best(first, again):
