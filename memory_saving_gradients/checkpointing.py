@@ -728,7 +728,7 @@ class _BackwardPass:
     waits for the previous recomputed step's gradients, where that closes no cycle
     (:class:`_ReadersOfPendingGradients`).  Inside a step, a copy's input gradients
     wait for each other, or late where the memory model allows it
-    (:class:`.rewrite.GradientGates`, :func:`.simulate.late_gates`).
+    (:class:`.rewrite.GradientGates`, :func:`.simulate.step_order`).
     """
 
     def __init__(self, request: _Request, schedule: schedule_lib.Schedule):

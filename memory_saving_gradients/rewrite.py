@@ -151,7 +151,7 @@ class GradientGates:
     differentiates, maybe in a later step) wait for its gradients, so its
     filter gradient runs beside the input-gradient chain below it, as in plain
     ``tf.gradients``.  The memory model decides which copies may wait late
-    (:func:`.simulate.late_gates`); this class only builds what it is told.
+    (:func:`.simulate.step_order`); this class only builds what it is told.
     Late waits are added by :meth:`finish`, once the pair's gradients exist.
 
     Control inputs only, no new ops.  A wait only points from gradient ops to

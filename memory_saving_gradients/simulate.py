@@ -17,7 +17,7 @@ Sizes come from static shapes; an unknown dimension counts as
 Workspace memory of kernels (e.g. convolution scratch) and the parallelism
 of the executor are not modelled; the slack this leaves is measured in the
 tests.  Where the rewrite lets the executor run a gradient later than this
-order (:func:`late_gates`), the model counts what it reads as held until the
+order (:func:`step_order`), the model counts what it reads as held until the
 latest point the rewrite allows, and allows it only under the peak.
 """
 
@@ -515,40 +515,22 @@ def predict_checkpointed(
     )
 
 
-def late_gates(
-    region: graph_lib.ForwardRegion,
-    ys: Sequence[tf.Tensor],
-    xs: Sequence[tf.Tensor],
-    checkpoints: Sequence[tf.Tensor],
-    unknown_dim: int = 1,
-    stops: Sequence[tf.Tensor] = (),
-    schedule: schedule_lib.Schedule | None = None,
-) -> tuple:
-    """Which gated products of the checkpointed pass may wait late, without raising
-    the predicted peak (see :class:`.rewrite.GradientGates`).
-
-    A *gated product* is a recomputed product (``MatMul``, ``Conv2D``, ...;
-    :data:`.ops.GRADIENT_READS_OTHER_INPUT`) of a recomputed tensor and one
-    that is not (a weight): the gradient for the weight reads the recomputed
-    tensor, the one for the recomputed tensor does not.  Waiting late, its
-    gradients may run as late as the next gated product's gradients, so what
-    they read (the recomputed input, its output's gradient) is counted as
-    held until then.  In backward order each is let wait late where that
-    extra holding keeps the timeline at or under the peak with every gate
-    waiting on its own gradients (which :func:`predict_checkpointed` gives):
-    the predicted peak does not move.
-
-    Returns ``((step index, position in the step's segment ops), (the same of
-    its pair))`` for each product that waits late, in backward order.
-    """
-    return step_order(region, ys, xs, checkpoints, unknown_dim, stops, schedule).late
-
-
 @dataclasses.dataclass(frozen=True)
 class StepOrder:
     """What the rewrite's ordering waits may leave free, by the memory model.
 
-    ``late``: :func:`late_gates`' pairs.  ``headroom``: per recomputed step's
+    ``late``: the gated products that may wait late, without raising the predicted
+    peak (see :class:`.rewrite.GradientGates`).  A *gated product* is a recomputed
+    product (``MatMul``, ``Conv2D``, ...; :data:`.ops.GRADIENT_READS_OTHER_INPUT`)
+    of a recomputed tensor and one that is not (a weight): the gradient for the
+    weight reads the recomputed tensor, the one for the recomputed tensor does not.
+    Waiting late, its gradients may run as late as the next gated product's
+    gradients, so what they read (the recomputed input, its output's gradient) is
+    counted as held until then.  In backward order each is let wait late where that
+    extra holding keeps the timeline at or under the peak with every gate waiting on
+    its own gradients (which :func:`predict_checkpointed` gives).  Each entry is
+    ``((step index, position in the step's segment ops), (the same of its pair))``,
+    in backward order.  ``headroom``: per recomputed step's
     index, the bytes that may stay live across its recomputation and gradients
     beyond what the model holds there, with the timeline still :data:`LATE_HEADROOM` under its
     peak (the late holds counted): gradient ops that read nothing recomputed may
@@ -661,7 +643,7 @@ class _Replay:
     def release_late(self) -> tuple:
         """Lets each gated product but the last wait late where holding what it reads
         until the next one keeps the timeline :data:`LATE_HEADROOM` under its peak (see
-        :func:`late_gates`); returns the pairs, and the timeline holds them.  Linear in
+        :func:`step_order`); returns the pairs, and the timeline holds them.  Linear in
         the steps: each product's holds lie between its step and the next one's."""
         buffers = self.timeline.buffers
         live = self.timeline.live(self.step + 1)

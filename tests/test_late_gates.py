@@ -1,4 +1,4 @@
-"""Which gated products wait late (simulate.late_gates), and what it keeps.
+"""Which gated products wait late (simulate.step_order(...).late), and what it keeps.
 
 A recomputed product of a recomputed tensor and a weight (a convolution, a
 matrix product) has two gradients: the weight's reads the recomputed tensor,
@@ -55,7 +55,7 @@ def _chain(layers=8, width=64, batch=32):
 def _late(loss, xs, checkpoints):
     region = graph_lib.forward_region([loss], xs)
     schedule = schedule_lib.backward_schedule(region, [loss], xs, checkpoints)
-    return region, schedule, simulate.late_gates(region, [loss], xs, checkpoints, 32, (), schedule)
+    return region, schedule, simulate.step_order(region, [loss], xs, checkpoints, 32, (), schedule).late
 
 
 def _resnet20(strategy):
