@@ -352,7 +352,9 @@ def _fits(args, rows, specs, device, fits_lib, models):
             k_guess=fits_lib.time_guess_index(found, axis), device=device, steps=args.steps,
             on_probe=lambda p: print(f"  {axis.name} {p.value}: budget {p.budget_mb:.3g} MB, "
                                      + ("error" if p.peak_mb is None else f"{p.peak_mb:.1f} MB")
-                                     + ("" if p.time_ratio is None else f", {p.time_ratio:.2f}x CPU time"),
+                                     + ("" if p.time_ratio is None else f", {p.time_ratio:.2f}x CPU time")
+                                     + (f" (median of builds: {', '.join(f'{r:.2f}' for r in p.build_ratios)})"
+                                        if p.build_ratios else ""),
                                      flush=True)))
         fits_lib.add_ratios(found)
     return found

@@ -15,7 +15,12 @@ gap between the traced peak and the cap (down when above it, up when more
 than ``BUDGET_SLACK`` below) and built again, at most ``BUDGET_RETRIES``
 times; the build that fits with the largest budget is timed interleaved
 with ``tf.gradients`` (``TIME_STEPS`` steps after one warm-up) and the
-depth accepted when its CPU-time ratio is within the limit.  The same gallop
+depth accepted when its CPU-time ratio is within the limit.  A ratio within
+``NEAR_LIMIT`` of the limit is measured again on ``BUILDS_NEAR_LIMIT - 1`` fresh
+builds of the same budget (each timed against a fresh plain step), and the
+median of the builds decides: the same plan's ratio moves more between builds
+(ResNet-110 at 49 MB: 1.14-1.26x in seven processes) than between rounds of one
+build (about 3%).  The same gallop
 and bisection find the largest accepted depth (the ratio grows with depth at a fixed cap,
 as the budget leaves less of the activations kept).
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from memory_saving_gradients._units import MIB
@@ -39,6 +45,10 @@ BUDGET_SLACK = 0.02
 #: Timed steps (after one warm-up) of a depth's budgeted step and plain tf.gradients, interleaved
 #: (the default of fits_in_time; ``python -m bench`` uses its ``--steps``).
 TIME_STEPS = 5
+#: A ratio this close to the limit (either side) is measured on more builds (see the module doc).
+NEAR_LIMIT = 0.03
+#: Builds whose median ratio decides a depth near the limit (the first one included).
+BUILDS_NEAR_LIMIT = 3
 #: The row's variant name in the fits table and fits.csv.
 TIMED_VARIANT = "memory, budget chosen for the cap"
 
@@ -79,6 +89,8 @@ class Fit:
     time_ratio: Optional[float] = None  # its measured CPU-time ratio to tf.gradients at ``largest``
     budget_mb: Optional[float] = None   # the memory_budget that fitted at ``largest``
     probe_time_ratios: Dict[int, Optional[float]] = dataclasses.field(default_factory=dict)
+    # each build's ratio where a probe near the limit was timed on several (see fits_in_time)
+    probe_build_ratios: Dict[int, Tuple[float, ...]] = dataclasses.field(default_factory=dict)
 
 
 def largest_under_cap(
@@ -243,8 +255,9 @@ class TimedProbe:
     value: int
     budget_mb: float
     peak_mb: Optional[float]
-    time_ratio: Optional[float] = None  # measured only when the peak fits
+    time_ratio: Optional[float] = None  # measured only when the peak fits; the median of builds
     error: Optional[str] = None
+    build_ratios: Tuple[float, ...] = ()  # each timed build's ratio, when more than one was timed
 
     def accepted(self, cap_mb: float, time_limit: float) -> bool:
         return (self.peak_mb is not None and self.peak_mb <= cap_mb
@@ -252,11 +265,14 @@ class TimedProbe:
 
 
 def probe_with_budget(value: int, build: Callable[[int], Candidate], cap_mb: float,
-                      retries: int = BUDGET_RETRIES) -> TimedProbe:
+                      retries: int = BUDGET_RETRIES, time_limit: Optional[float] = None,
+                      builds_near_limit: int = BUILDS_NEAR_LIMIT) -> TimedProbe:
     """Fit a budget to the cap: build ``build(budget_bytes)`` with the cap as its budget;
     move the budget by the measured gap to the cap (down when the peak is above it, up
     when it is more than BUDGET_SLACK below) and build again, ``retries`` times at most;
-    time the build that fits with the largest budget (the least recomputation)."""
+    time the build that fits with the largest budget (the least recomputation).  Where
+    its ratio lies within NEAR_LIMIT of ``time_limit``, time ``builds_near_limit - 1``
+    more builds of that budget and keep the median (:func:`_median_of_builds`)."""
     budget = int(cap_mb * MIB)
     last = TimedProbe(value, budget / MIB, None)
     best: Optional[Tuple[int, Candidate]] = None
@@ -282,10 +298,35 @@ def probe_with_budget(value: int, build: Callable[[int], Candidate], cap_mb: flo
         if best is None:
             return last
         budget, candidate = best
-        return TimedProbe(value, budget / MIB, candidate.peak_mb, time_ratio=candidate.time_ratio())
+        ratio = candidate.time_ratio()
+        probe = TimedProbe(value, budget / MIB, candidate.peak_mb, time_ratio=ratio)
+        if (time_limit is not None and ratio is not None and builds_near_limit > 1
+                and abs(ratio - time_limit) <= NEAR_LIMIT):
+            candidate.close()
+            best = None
+            probe = _median_of_builds(probe, ratio, lambda: build(budget), builds_near_limit - 1)
+        return probe
     finally:
         if best is not None:
             best[1].close()
+
+
+def _median_of_builds(probe: TimedProbe, first: float, build: Callable[[], Candidate],
+                      more: int) -> TimedProbe:
+    """``probe`` with its ratio the median of ``first`` and ``more`` fresh builds' ratios
+    (a build that does not run adds none)."""
+    ratios = [first]
+    for _ in range(more):
+        candidate = build()
+        try:
+            if candidate.peak_mb is not None:
+                ratio = candidate.time_ratio()
+                if ratio is not None:
+                    ratios.append(ratio)
+        finally:
+            candidate.close()
+    return dataclasses.replace(probe, time_ratio=statistics.median(ratios),
+                               build_ratios=tuple(ratios))
 
 
 class _BudgetedStep:
@@ -343,7 +384,8 @@ def fits_in_time(
 
     def accept(k):
         value = axis.value(k)
-        probe = probe_with_budget(value, lambda budget: build(value, budget), cap_mb)
+        probe = probe_with_budget(value, lambda budget: build(value, budget), cap_mb,
+                                  time_limit=time_limit)
         probes[value] = probe
         if on_probe:
             on_probe(probe)
@@ -358,7 +400,9 @@ def fits_in_time(
                error=errors[-1] if k is None and errors else None, time_limit=time_limit,
                time_ratio=best.time_ratio if best else None,
                budget_mb=best.budget_mb if best else None,
-               probe_time_ratios={v: p.time_ratio for v, p in sorted(probes.items())})
+               probe_time_ratios={v: p.time_ratio for v, p in sorted(probes.items())},
+               probe_build_ratios={v: p.build_ratios for v, p in sorted(probes.items())
+                                   if p.build_ratios})
 
 
 def time_guess_index(fits: Sequence[Fit], axis: Axis) -> int:

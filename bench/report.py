@@ -257,7 +257,11 @@ def _probe_time(fit, value) -> str:
     if value not in fit.probe_time_ratios:
         return ""
     ratio = fit.probe_time_ratios[value]
-    return " (not timed)" if ratio is None else f" at {ratio:.2f}x"
+    if ratio is None:
+        return " (not timed)"
+    builds = fit.probe_build_ratios.get(value)
+    each = f" (median of {'/'.join(f'{r:.2f}' for r in builds)})" if builds else ""
+    return f" at {ratio:.2f}x{each}"
 
 
 def _mb(mb) -> str:
@@ -730,18 +734,21 @@ def _optional(value, digits: int = 3) -> str:
 
 
 def write_fits_csv(fits, path: str) -> None:
-    """fits.csv: one line per fit; a timed row (fits.fits_in_time) fills the last four columns."""
+    """fits.csv: one line per fit; a timed row (fits.fits_in_time) fills the last five columns."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["variant", "cap_mb", "axis", "largest", "peak_mb", "ratio", "probes", "error",
-                    "time_limit", "time_ratio", "budget_mb", "probe_time_ratios"])
+                    "time_limit", "time_ratio", "budget_mb", "probe_time_ratios",
+                    "probe_build_ratios"])
         for fit in fits:
             w.writerow([fit.variant, fit.cap_mb, fit.axis, fit.largest or "",
                         _optional(fit.peak_mb), _optional(fit.ratio),
                         ";".join(f"{v}:{_optional(mb)}" for v, mb in fit.probes),
                         fit.error or "", "" if fit.time_limit is None else f"{fit.time_limit:g}",
                         _optional(fit.time_ratio), _optional(fit.budget_mb),
-                        ";".join(f"{v}:{_optional(r)}" for v, r in fit.probe_time_ratios.items())])
+                        ";".join(f"{v}:{_optional(r)}" for v, r in fit.probe_time_ratios.items()),
+                        ";".join(f"{v}:" + "/".join(_optional(r) for r in builds)
+                                 for v, builds in fit.probe_build_ratios.items())])
 
 
 def _check_section(title: str, text: str, checks, table: Callable[[list], str]) -> List[str]:

@@ -203,8 +203,14 @@ def test_fits_in_time_finds_the_largest_depth_within_the_time_limit():
     assert len(probes) == len(fit.probes) <= 2 * math.ceil(math.log2(60)) + 2
     for _, depth, _ in log:
         builds = [b for kind, d, b in log if d == depth and kind == "build"]
-        assert builds == [20.0, 19.5]  # the cap, then lowered by the measured overshoot
-        assert [kind for kind, d, _ in log if d == depth].count("time") == 1
+        timed = [kind for kind, d, _ in log if d == depth].count("time")
+        near = abs(fit.probe_time_ratios[depth] - 1.25) <= fits.NEAR_LIMIT
+        # the cap, then lowered by the measured overshoot; near the limit, two more builds
+        # of the budget that fitted, each timed
+        assert builds == [20.0, 19.5] + [19.5] * (2 if near else 0), depth
+        assert timed == (fits.BUILDS_NEAR_LIMIT if near else 1), depth
+        assert (depth in fit.probe_build_ratios) == near
+    assert 170 in fit.probe_build_ratios and len(fit.probe_build_ratios[170]) == 3
     plain = fits.Fit("tf.gradients", 20.0, "depth", 20, 18.0, [])
     both = [plain, fit]
     fits.add_ratios(both)
@@ -212,6 +218,36 @@ def test_fits_in_time_finds_the_largest_depth_within_the_time_limit():
     table = report.fits_table(both)
     assert "| 170 | 20.0 | 8.50x | 1.25x | 19.5 |" in table and "248: 20 at 1.30x" in table
     assert "step <= 1.25x tf.gradients" in table
+
+
+@pytest.mark.unit
+def test_a_ratio_near_the_limit_is_the_median_of_fresh_builds():
+    log = []
+    ratios = iter([1.24, 1.29, 1.27])  # first build just under the limit, the others over
+
+    class Noisy(FakeStep):
+        def time_ratio(self):
+            super().time_ratio()
+            return next(ratios)
+
+    probe = fits.probe_with_budget(116, lambda b: Noisy(log, 116, b), 20.0, time_limit=1.25)
+    assert probe.build_ratios == (1.24, 1.29, 1.27) and probe.time_ratio == pytest.approx(1.27)
+    assert not probe.accepted(20.0, 1.25)
+    builds = [b for kind, _, b in log if kind == "build"]
+    assert builds == [20.0, 19.5, 19.5, 19.5]  # the rebuilds use the budget that fitted
+    assert sorted(b for kind, _, b in log if kind == "close") == sorted(builds)
+
+    # far from the limit: one build timed, as before
+    log.clear()
+    ratios = iter([1.10])
+    probe = fits.probe_with_budget(116, lambda b: Noisy(log, 116, b), 20.0, time_limit=1.25)
+    assert probe.time_ratio == pytest.approx(1.10) and probe.build_ratios == ()
+    assert [kind for kind, _, _ in log].count("time") == 1
+
+    fit = fits.Fit("memory, budget", 20.0, "depth", 110, 19.9, [(110, 19.9), (116, 20.0)],
+                   time_limit=1.25, time_ratio=1.2, probe_time_ratios={110: 1.2, 116: 1.27},
+                   probe_build_ratios={116: (1.24, 1.29, 1.27)})
+    assert "116: 20 at 1.27x (median of 1.24/1.29/1.27)" in report.fits_table([fit])
 
 
 @pytest.mark.unit
