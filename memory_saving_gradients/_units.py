@@ -9,3 +9,11 @@ MIB = 2**20
 #: Bytes in a kibibyte (2**10) and a gibibyte (2**30).
 KIB = 2**10
 GIB = 2**30
+
+
+def describe_bytes(count: float) -> str:
+    """``count`` bytes for a message: in MB with two decimals, or in bytes under 0.01 MB
+    (a budget of 10 bytes is not "0.00 MB")."""
+    if abs(count) < 0.01 * MIB:
+        return f"{int(count)} bytes"
+    return f"{count / MIB:.2f} MB"

@@ -17,6 +17,7 @@ happens just before it is needed.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import inspect
@@ -33,7 +34,7 @@ from . import schedule as schedule_lib
 from ._nesting import Nesting
 from ._tensorflow import gpu_visible, onednn_enabled, tf, tf_gradients
 from ._tensorflow import is_resource_variable as _is_resource_variable
-from ._units import MIB
+from ._units import MIB, describe_bytes
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -247,6 +248,22 @@ def _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown) -> 
     assumptions say about how the batch was chosen when it is unknown."""
     if not unknown or batch_size is not None:
         return batch_size, ()
+    notes = _batch_notes(checkpoints, problem, memory_budget, unknown)
+    return notes[0], notes[1] + _beyond_batch_note(problem.region)
+
+
+def _beyond_batch_note(region) -> tuple:
+    """A note where dimensions other than the batch are unknown: they are counted as the
+    batch is, so ``batch_size=`` sets them too."""
+    beyond = graph_lib.unknown_beyond_batch(region)
+    if beyond is None:
+        return ()
+    return (f"dimensions besides the batch are unknown too (e.g. {beyond.name} "
+            f"{beyond.shape}): every unknown dimension is counted as the same size, and "
+            "batch_size= sets them all",)
+
+
+def _batch_notes(checkpoints, problem, memory_budget, unknown) -> tuple:
     if memory_budget is not None and isinstance(checkpoints, str):
         batch_size, _ = budget_batch(problem.ys, problem.xs, problem.region, memory_budget, unknown)
         return batch_size, (f"the batch is unknown: planned at batch {batch_size}, the largest "
@@ -422,7 +439,7 @@ def choose_checkpoints(
                                    memory_budget)
             elif checkpoints in _RULE_STRATEGIES:
                 usable = _unless_nothing_saved(checkpoints, usable, ys, xs, region,
-                                               options["unknown_dim"])
+                                               options["unknown_dim"], unknown)
             return usable
 
         key = _memo_key(checkpoints, memory_budget, options["unknown_dim"], region, ys, xs)
@@ -442,10 +459,13 @@ def choose_checkpoints(
         return None  # no op between xs and ys (ys do not depend on xs): as tf.gradients
     usable = usable_checkpoints(outer, ys, xs, region)
     if not usable:
+        inside = (f" {len(nested)} of them lie inside the body of a tf.while_loop, tf.cond "
+                  f"or function ({[t.name for t in nested][:5]}), which is kept whole, never "
+                  "split: checkpoint tensors outside such constructs." if nested else "")
         raise ValueError(
             f"None of the {len(given)} checkpoints can be used: a checkpoint must be "
             "a tensor computed from xs on the way to ys, and neither an x nor a y "
-            f"(got {[t.name for t in given][:10]}). Pass intermediate activations, "
+            f"(got {[t.name for t in given][:10]}).{inside} Pass intermediate activations, "
             "or use checkpoints='memory'."
         )
     return usable
@@ -483,15 +503,18 @@ def budget_batch(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: graph
         if len(_budget_batches) > memo.CAPACITY:
             _budget_batches.clear()
         model = batch_lib.PeakModel(region, ys, xs, any_batch)
-        _budget_batches[key] = model.largest_batch(memory_budget)
+        # no headroom: a budget is met as predicted, as with a stated batch (the
+        # headroom is plan.largest_batch's, for the memory the user has)
+        _budget_batches[key] = model.largest_batch(memory_budget, headroom=0.0)
     batch = _budget_batches[key]
     if batch < 1:
         least = batch_lib.PeakModel(region, ys, xs, any_batch).peak_at(1)
         raise ValueError(
-            f"memory_budget={memory_budget / MIB:.1f} MB cannot be met at any batch size: "
+            f"memory_budget={describe_bytes(memory_budget)} cannot be met at any batch size: "
             f"this graph's batch is unknown ({unknown}), and at batch 1 the least peak the "
-            f"memory model finds is {least / MIB:.1f} MB. Raise the budget, or pass "
+            f"memory model finds is {describe_bytes(least)}. Raise the budget, or pass "
             "batch_size=N to plan for the batch you feed."
+            + "".join(f" ({note})" for note in _beyond_batch_note(region))
         )
     return batch, any_batch
 
@@ -516,7 +539,7 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
         why = f"it keeps {what}, and none of them lies between xs and ys"
     elif plain_fits:
         why = (f"plain tf.gradients' predicted peak fits memory_budget="
-               f"{memory_budget / MIB:.2f} MB, so nothing needs recomputing")
+               f"{describe_bytes(memory_budget)}, so nothing needs recomputing")
     else:
         any_batch = unknown_dim is None
         at = batch_lib.PLANNING_BATCHES[-1] if any_batch else unknown_dim
@@ -545,7 +568,7 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
 _RULE_STRATEGIES = ("speed",)
 
 
-def _unless_nothing_saved(checkpoints, usable, ys, xs, region, unknown_dim) -> list:
+def _unless_nothing_saved(checkpoints, usable, ys, xs, region, unknown_dim, unknown="") -> list:
     """``usable``, or [] with a warning where the memory model predicts no lower peak for
     it than plain tf.gradients' (recomputing would then cost time for nothing).
 
@@ -557,10 +580,12 @@ def _unless_nothing_saved(checkpoints, usable, ys, xs, region, unknown_dim) -> l
     planned, plain = peaks.peak_at(at), peaks.peak_at(at, plain=True)
     if planned < plain:
         return usable
+    where = f"unknown dimensions ({unknown}) counted as {at}; " if unknown else ""
     warnings.warn(
         f"checkpoints={checkpoints!r} saves nothing on this graph: keeping its "
         f"{len(usable)} tensors, the memory model predicts a peak of {planned / MIB:.2f} MB "
-        f"against plain tf.gradients' {plain / MIB:.2f} MB (at batch {at}; {_why_speed_saves_nothing(region)}). "
+        f"against plain tf.gradients' {plain / MIB:.2f} MB ({where}"
+        f"{_why_speed_saves_nothing(region, usable)}). "
         "Using plain tf.gradients (no recomputation); "
         "checkpoints='memory' searches for a plan that does save.",
         notices.NothingKeptWarning, stacklevel=3,
@@ -568,13 +593,15 @@ def _unless_nothing_saved(checkpoints, usable, ys, xs, region, unknown_dim) -> l
     return []
 
 
-def _why_speed_saves_nothing(region) -> str:
+def _why_speed_saves_nothing(region, kept) -> str:
     """Why keeping the expensive ops' outputs saves nothing: ops kept whole, or outputs that
-    weigh what the activations recomputed from them do."""
+    weigh what the activations recomputed from them do (named by the most kept op type)."""
     if any(op.type in graph_lib.CONTROL_FLOW_OP_TYPES for op in region.order):
         return _why_nothing_helps(region)
-    return ("each kept output weighs as much as the activations it would be recomputed into, "
-            "e.g. a matmul's output in place of its activation's")
+    most = collections.Counter(t.op.type for t in kept).most_common(1)
+    example = f", e.g. a {most[0][0]}'s output in place of the activation after it" if most else ""
+    return ("each kept output weighs as much as the activations it would be recomputed "
+            f"into{example}")
 
 
 def _why_nothing_helps(region) -> str:
@@ -1048,8 +1075,10 @@ def _checkpoint_list(checkpoints) -> list:
         )
     for t in checkpoints:
         if not isinstance(t, tf.Tensor):
+            hint = (" A variable is no activation: checkpoint a tensor computed from it "
+                    "(e.g. a layer's output)." if _is_resource_variable(t) else "")
             raise TypeError(
-                f"every checkpoint must be a tf.Tensor of the graph; got {_describe(t)}."
+                f"every checkpoint must be a tf.Tensor of the graph; got {_describe(t)}.{hint}"
             )
     return list(checkpoints)
 

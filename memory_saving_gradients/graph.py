@@ -509,6 +509,17 @@ def has_unknown_dims(region: ForwardRegion) -> str:
     return f"{len(unknown)} tensors, e.g. {unknown[0].name} {unknown[0].shape}"
 
 
+def unknown_beyond_batch(region: ForwardRegion) -> "tf.Tensor | None":
+    """The first of the region's tensors with an unknown dimension other than the first
+    (the batch), or None: the planner counts every unknown dimension as one size."""
+    for op in region.order:
+        for t in op.outputs:
+            if has_unknown_size(t) and t.shape.rank is not None and any(
+                    d is None for d in t.shape.as_list()[1:]):
+                return t
+    return None
+
+
 def boundary_tensors(
     region: ForwardRegion,
     ys: Sequence[tf.Tensor],

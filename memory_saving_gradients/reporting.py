@@ -161,6 +161,11 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
             f"its {record.calls} gradient computation(s) kept no checkpoint (the warning "
             "issued then says why) and used plain tf.gradients"
         )
+    elif record.plain:
+        category = notices.NothingRewrittenWarning
+        reasons = "; ".join(f"{n}x {reason}" for reason, n in record.plain.most_common())
+        cause = (f"every tape gradient built while it was active was left to TensorFlow "
+                 f"({reasons}): those are computed by plain TensorFlow, as documented")
     else:
         category = notices.NothingRewrittenWarning
         cause = (
@@ -176,7 +181,7 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
         if names:
             cause += (f". Keras models whose train_function was built before: "
                       f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
-    if record.plain:
+    if record.plain and (record.eager or record.calls):
         reasons = "; ".join(f"{n}x {reason}" for reason, n in record.plain.most_common())
         cause += f". Tape gradients left to TensorFlow: {reasons}"
     warnings.warn(f"{what} rewrote nothing: {cause}.", category, stacklevel=3)

@@ -88,6 +88,25 @@ def test_explicit_list_with_no_usable_tensor(model, outside, unchanged, which):
 
 
 @pytest.mark.unit
+def test_checkpoints_only_inside_a_loop_body_say_so(graph):
+    """A list whose only checkpoint lies in a while loop's body fails, and the error
+    says that loops are kept whole (not only a log line beside it)."""
+    x = tf.compat.v1.placeholder(tf.float32, [4, 8])
+    w = tf.Variable(tf.ones([8, 8]))
+    inner = []
+
+    def body(i, h):
+        h = tf.tanh(tf.matmul(h, w))
+        inner.append(h)
+        return i + 1, h
+
+    _, h = tf.while_loop(lambda i, h: i < 3, body, (0, tf.tanh(x)))
+    loss = tf.reduce_sum(tf.tanh(h))
+    call_fails(ValueError, ["None of the 1 checkpoints", "while_loop", "kept whole", "outside"],
+               loss, [w], checkpoints=inner)
+
+
+@pytest.mark.unit
 def test_empty_checkpoint_list(model, unchanged):
     call_fails(ValueError, ["empty", "strategy"], model.loss, model.inputs, checkpoints=[])
 

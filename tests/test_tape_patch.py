@@ -188,6 +188,24 @@ def test_jacobian_and_batch_jacobian_equal_the_plain_tape(weights):
     _close(got, want)
 
 
+def test_a_step_of_jacobians_only_says_they_were_left_to_tensorflow(weights):
+    """A patch under which only jacobians ran rewrote nothing because TensorFlow computes
+    those (documented), not because the step was traced before the patch."""
+    small = tf.random.stateless_normal([2, 32], seed=[3, 4])
+
+    def jac(x):
+        with tf.GradientTape() as tape:
+            out = tf.reduce_sum(tf.tanh(tf.matmul(tf.tanh(tf.matmul(x, weights[0])), weights[1])), 1)
+        return tape.jacobian(out, weights[0])
+
+    with pytest.warns(msg.NothingRewrittenWarning) as warned:
+        with msg.patched("memory"):
+            tf.function(jac)(small)
+    said = " ".join(str(w.message) for w in warned if w.category is msg.NothingRewrittenWarning)
+    assert "left to TensorFlow" in said and "jacobian" in said, said
+    assert "traced before" not in said, said
+
+
 def test_custom_gradient_recompute_grad_and_while_loop(weights, x):
     @tf.custom_gradient
     def clipped_tanh(h):

@@ -18,6 +18,7 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 import test_models
 from memory_saving_gradients import checkpointing, memo
+from memory_saving_gradients._units import MIB
 
 MODELS = {
     "resnet": dict(depth=20),
@@ -167,3 +168,52 @@ def test_the_collection_is_read_again_for_every_call():
                         tf.compat.v1.add_to_collection("checkpoints", op.outputs[0])
             chosen = msg.plan(loss, xs, checkpoints="collection").checkpoints
         assert bool(chosen) == filled, (filled, chosen)
+
+
+@pytest.mark.unit
+def test_a_budget_just_above_the_least_peak_is_met_without_a_batch():
+    """A budget 10% above the least predicted peak is met with the batch unknown, as it is
+    with the batch stated: the largest batch searched for it adds no headroom (a weight-
+    dominated MLP, whose peak barely grows with the batch)."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 128])
+        h = x
+        weights = []
+        for i in range(12):
+            weights.append(tf.Variable(tf.random.stateless_normal([128, 128], seed=[i, 0])))
+            h = tf.tanh(tf.matmul(h, weights[-1]))
+        loss = tf.reduce_sum(h)
+        least = msg.plan(loss, weights, checkpoints="memory").peak_at(1)
+        budget = int(1.10 * least)
+        stated = msg.plan(loss, weights, memory_budget=budget, batch_size=1)
+        assert stated.predicted_peak_bytes <= budget
+        planned = msg.plan(loss, weights, memory_budget=budget)
+        assert planned.batch >= 1 and planned.predicted_peak_bytes <= budget
+        with pytest.raises(ValueError, match="cannot be met at any batch size") as raised:
+            msg.plan(loss, weights, memory_budget=int(0.9 * least))
+        # the error quotes a least peak above the budget it rejects
+        quoted = float(str(raised.value).split("least peak the memory model finds is ")[1].split(" MB")[0])
+        assert quoted * MIB > 0.9 * least - 0.05 * MIB
+
+
+@pytest.mark.unit
+def test_an_unknown_sequence_length_is_not_called_the_batch():
+    """Only the sequence length unknown: the plan says that every unknown dimension is
+    counted as one size (so batch_size= sets it too), not only that the batch is unknown."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [8, None, 16])
+        weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1])) for i in range(6)]
+        h = x
+        for w in weights:
+            h = tf.tanh(tf.einsum("btd,de->bte", h, w))
+        planned = msg.plan(tf.reduce_sum(h), weights, checkpoints="memory")
+        said = " ".join(planned.assumptions)
+        assert "dimensions besides the batch are unknown" in said and "batch_size= sets them all" in said, said
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 16])
+        weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1])) for i in range(6)]
+        h = x
+        for w in weights:
+            h = tf.tanh(tf.matmul(h, w))
+        said = " ".join(msg.plan(tf.reduce_sum(h), weights, checkpoints="memory").assumptions)
+        assert "the batch is unknown" in said and "besides the batch" not in said, said
