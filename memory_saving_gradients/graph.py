@@ -502,8 +502,11 @@ def has_unknown_size(tensor: tf.Tensor) -> bool:
 
 def has_unknown_dims(region: ForwardRegion) -> str:
     """A short description of the region's tensors with unknown dimensions
-    (e.g. ``"12 tensors, e.g. dense/MatMul:0 (None, 64)"``), or ``""``."""
-    unknown = [t for op in region.order for t in op.outputs if has_unknown_size(t)]
+    (e.g. ``"12 tensors, e.g. dense/MatMul:0 (None, 64)"``), or ``""``: the outputs of
+    its ops and the inputs they read from outside it (a placeholder), as plans count them."""
+    outputs = [t for op in region.order for t in op.outputs]
+    inputs = {t.ref(): t for op in region.order for t in op.inputs if t.op not in region.ops}
+    unknown = [t for t in [*inputs.values(), *outputs] if has_unknown_size(t)]
     if not unknown:
         return ""
     return f"{len(unknown)} tensors, e.g. {unknown[0].name} {unknown[0].shape}"

@@ -44,6 +44,8 @@ class Record:
       calls: gradient computations that went through the library.
       eager: tape gradients that ran eagerly (nothing can be rewritten there).
       plain: why other tape gradients were left to TensorFlow, with counts.
+      traced: the graphs rewritten under each name, in order (TensorFlow may
+        trace one function more than once, e.g. tf_keras' ``train_function``).
     """
 
     def __init__(self, where: str | None = None):
@@ -54,6 +56,7 @@ class Record:
         self.eager = 0
         self.plain: collections.Counter = collections.Counter()
         self.warned = False
+        self.traced: dict[str, list[int]] = collections.defaultdict(list)
 
 
 _local = threading.local()
@@ -122,11 +125,19 @@ def rewrote(plan: Plan, graph: tf.Graph) -> None:
     if not logger.isEnabledFor(logging.INFO):
         return
     mb = MIB
+    what = where(graph, record)
+    again = ""
+    if record is not None:
+        graphs = record.traced[what]
+        if id(graph) not in graphs:
+            graphs.append(id(graph))
+        if len(graphs) > 1:
+            again = f" (traced again by TensorFlow: trace {graphs.index(id(graph)) + 1})"
     logger.info(
-        "memory_saving_gradients: rewrote the gradients of %s: checkpoints=%r, %d "
+        "memory_saving_gradients: rewrote the gradients of %s%s: checkpoints=%r, %d "
         "checkpoints, predicted peak %.2f MB vs %.2f MB plain (%.2fx), recomputation "
         "%.2f of a forward pass",
-        where(graph, record), plan.strategy, len(plan.checkpoints),
+        what, again, plan.strategy, len(plan.checkpoints),
         plan.predicted_peak_bytes / mb, plan.baseline_peak_bytes / mb, plan.predicted_ratio,
         plan.recompute_cost,
     )
@@ -139,9 +150,20 @@ def where(graph: tf.Graph, record: Record | None = None) -> str:
     else:
         model = recovery.keras_model_being_traced()
         label = f"Keras model {getattr(model, 'name', '?')!r}" if model is not None else None
-    graph_name = getattr(graph, "name", None)
-    function = f"function {graph_name!r}" if graph_name else "a tf.compat.v1 graph"
+    function = _function_name(graph)
     return f"{label} ({function})" if label else function
+
+
+def _function_name(graph: tf.Graph) -> str:
+    """The traced function, with the functions it is nested in (a loop body names its step)."""
+    names = []
+    while graph is not None and getattr(graph, "name", None):
+        if not names or names[-1] != graph.name:
+            names.append(graph.name)
+        graph = getattr(graph, "outer_graph", None)
+    if not names:
+        return "a tf.compat.v1 graph"
+    return " in ".join(f"function {name!r}" for name in names)
 
 
 def warn_if_nothing_rewritten(record: Record, what: str) -> None:

@@ -301,6 +301,48 @@ def test_patched_custom_loop_logs_one_info_line_and_keeps_the_plan(caplog):
     _assert_reported(handle, _rewrite_lines(caplog), "custom_step")
 
 
+def test_a_function_traced_again_says_so_and_two_gradients_in_one_trace_do_not(caplog):
+    """TensorFlow may trace a step twice (tf_keras' fit does): the repeat is named."""
+    model = _keras3_model()
+
+    @tf.function
+    def two_gradients(x, y):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        first = tape.gradient(loss, model.trainable_variables)
+        return first, tape.gradient(2.0 * loss, model.trainable_variables)
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        with msg.patched("memory") as handle:
+            two_gradients(*_data(BATCH))
+            two_gradients(*_data(BATCH + 1))  # a new shape: TensorFlow traces again
+    lines = _rewrite_lines(caplog)
+    assert len(lines) == len(handle.plans) == 4, lines
+    assert not any("traced again" in line for line in lines[:2]), lines
+    assert all("traced again by TensorFlow: trace 2" in line for line in lines[2:]), lines
+
+
+def test_a_gradient_in_a_dataset_loop_names_the_step_it_is_in(caplog):
+    model = _keras3_model()
+    dataset = tf.data.Dataset.from_tensor_slices(_data(2 * BATCH)).batch(BATCH)
+
+    @tf.function
+    def epoch(dataset):
+        total = tf.constant(0.0)
+        for x, y in dataset:  # autograph makes this a dataset scan with its own body
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x) - y))
+            grads = tape.gradient(loss, model.trainable_variables)
+            total += tf.add_n([tf.reduce_sum(g) for g in grads])
+        return total
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        with msg.patched("memory"):
+            epoch(dataset)
+    (line,) = _rewrite_lines(caplog)
+    assert "in function 'epoch'" in line, line
+
+
 def test_gradient_tape_keeps_the_plans_of_what_it_rewrote():
     weights = [tf.Variable(tf.random.normal([WIDTH, WIDTH], seed=i) * 0.1) for i in range(DEPTH)]
     kept = []

@@ -194,6 +194,11 @@ def test_a_budget_just_above_the_least_peak_is_met_without_a_batch():
         # the error quotes a least peak above the budget it rejects
         quoted = float(str(raised.value).split("least peak the memory model finds is ")[1].split(" MB")[0])
         assert quoted * MIB > 0.9 * least - 0.05 * MIB
+        # the error counts the unknown tensors as the plan does (the placeholder too)
+        counted = str(raised.value).split("batch is unknown (")[1].split(" tensors")[0]
+        (assumed,) = [a for a in planned.assumptions if "have unknown dimensions" in a]
+        assert assumed.startswith(f"{counted} tensors have unknown dimensions"), (
+            raised.value, assumed)
 
 
 @pytest.mark.unit
