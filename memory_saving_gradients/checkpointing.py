@@ -248,8 +248,17 @@ def _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown) -> 
     assumptions say about how the batch was chosen when it is unknown."""
     if not unknown or batch_size is not None:
         return batch_size, ()
-    notes = _batch_notes(checkpoints, problem, memory_budget, unknown)
-    return notes[0], notes[1] + _beyond_batch_note(problem.region)
+    region = problem.region
+    if graph_lib.batch_is_unknown(region):
+        notes = _batch_notes(checkpoints, problem, memory_budget, unknown,
+                             "the batch is unknown", "batch")
+        return notes[0], notes[1] + _beyond_batch_note(region)
+    example = graph_lib.has_unknown_dims(region).split(", e.g. ")[-1]
+    return _batch_notes(
+        checkpoints, problem, memory_budget, unknown,
+        f"the batch is known but other dimensions are not (e.g. {example}: a loop's length "
+        "or a sequence length; every unknown dimension is counted as one size, which "
+        "batch_size= sets)", "size")
 
 
 def _beyond_batch_note(region) -> tuple:
@@ -263,19 +272,21 @@ def _beyond_batch_note(region) -> tuple:
             "batch_size= sets them all",)
 
 
-def _batch_notes(checkpoints, problem, memory_budget, unknown) -> tuple:
+def _batch_notes(checkpoints, problem, memory_budget, unknown, subject, unit) -> tuple:
+    """``(batch_size, notes)`` for a strategy on a graph with unknown dimensions;
+    ``subject`` says what is unknown, ``unit`` what its sizes are called."""
     if memory_budget is not None and isinstance(checkpoints, str):
         batch_size, _ = budget_batch(problem.ys, problem.xs, problem.region, memory_budget, unknown)
-        return batch_size, (f"the batch is unknown: planned at batch {batch_size}, the largest "
+        return batch_size, (f"{subject}: planned at {unit} {batch_size}, the largest "
                             "at which memory_budget can be met (pass batch_size= to plan for "
                             "another)",)
     if checkpoints == "memory":
-        return None, (f"the batch is unknown: the checkpoints are chosen for every batch "
-                      f"(the least worst-case peak at batches "
+        return None, (f"{subject}: the checkpoints are chosen for every {unit} "
+                      f"(the least worst-case peak at {unit}s "
                       f"{batch_lib.describe_range()}); the peaks above are at "
                       f"{DEFAULT_BATCH_SIZE}; plan.peak_at(batch) gives any other",)
     if checkpoints == "balanced":
-        return None, (f"the batch is unknown: the trade is made at batch "
+        return None, (f"{subject}: the trade is made at {unit} "
                       f"{batch_lib.PLANNING_BATCHES[-1]}; the peaks above are at "
                       f"{DEFAULT_BATCH_SIZE}; plan.peak_at(batch) gives any other",)
     return None, ()

@@ -505,11 +505,25 @@ def has_unknown_dims(region: ForwardRegion) -> str:
     (e.g. ``"12 tensors, e.g. dense/MatMul:0 (None, 64)"``), or ``""``: the outputs of
     its ops and the inputs they read from outside it (a placeholder), as plans count them."""
     outputs = [t for op in region.order for t in op.outputs]
-    inputs = {t.ref(): t for op in region.order for t in op.inputs if t.op not in region.ops}
-    unknown = [t for t in [*inputs.values(), *outputs] if has_unknown_size(t)]
+    unknown = [t for t in [*_read_from_outside(region), *outputs] if has_unknown_size(t)]
     if not unknown:
         return ""
-    return f"{len(unknown)} tensors, e.g. {unknown[0].name} {unknown[0].shape}"
+    count = "1 tensor" if len(unknown) == 1 else f"{len(unknown)} tensors"
+    return f"{count}, e.g. {unknown[0].name} {unknown[0].shape}"
+
+
+def _read_from_outside(region: ForwardRegion) -> list:
+    """The tensors the region's ops read from outside it (what is fed: placeholders,
+    a dataset's elements, variables), each once."""
+    found = {t.ref(): t for op in region.order for t in op.inputs if t.op not in region.ops}
+    return list(found.values())
+
+
+def batch_is_unknown(region: ForwardRegion) -> bool:
+    """Whether a tensor the region reads from outside it has an unknown first dimension
+    (an unknown batch), as opposed to unknown sizes made inside it only (a loop's
+    length) or fed in other dimensions (a sequence length)."""
+    return any(t.shape.rank and t.shape.as_list()[0] is None for t in _read_from_outside(region))
 
 
 def unknown_beyond_batch(region: ForwardRegion) -> "tf.Tensor | None":

@@ -189,7 +189,8 @@ class Sizer:
             return ()
         names = sorted(self.assumed)
         return (
-            f"{len(names)} tensors have unknown dimensions, counted as "
+            f"{len(names)} {'tensor has' if len(names) == 1 else 'tensors have'} unknown "
+            "dimensions, counted as "
             f"{self.unknown_dim} (e.g. {', '.join(names[:3])}); pass batch_size= "
             "to state the size you feed",
         )

@@ -203,17 +203,43 @@ def test_a_budget_just_above_the_least_peak_is_met_without_a_batch():
 
 @pytest.mark.unit
 def test_an_unknown_sequence_length_is_not_called_the_batch():
-    """Only the sequence length unknown: the plan says that every unknown dimension is
-    counted as one size (so batch_size= sets it too), not only that the batch is unknown."""
+    """Unknown dimensions besides the batch: the plan says that every unknown dimension
+    is counted as one size (so batch_size= sets it too); where the batch fed is known
+    (only a sequence length, or a loop's length, is not) it does not call it unknown."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, None, 16])
+        weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1])) for i in range(6)]
+        h = x
+        for w in weights:
+            h = tf.tanh(tf.einsum("btd,de->bte", h, w))
+        said = " ".join(msg.plan(tf.reduce_sum(h), weights, checkpoints="memory").assumptions)
+        assert "the batch is unknown" in said, said
+        assert "dimensions besides the batch are unknown" in said and "batch_size= sets them all" in said, said
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [8, None, 16])
         weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1])) for i in range(6)]
         h = x
         for w in weights:
             h = tf.tanh(tf.einsum("btd,de->bte", h, w))
-        planned = msg.plan(tf.reduce_sum(h), weights, checkpoints="memory")
-        said = " ".join(planned.assumptions)
-        assert "dimensions besides the batch are unknown" in said and "batch_size= sets them all" in said, said
+        said = " ".join(msg.plan(tf.reduce_sum(h), weights, checkpoints="memory").assumptions)
+        assert "the batch is known but other dimensions are not" in said, said
+        assert "the batch is unknown" not in said and "batch_size= sets" in said, said
+    with tf.Graph().as_default():  # a TensorArray's stack: its length is made inside the loop
+        x = tf.constant(np.ones([8, 5, 16], np.float32))
+        w = tf.Variable(tf.random.stateless_normal([16, 16], seed=[7, 1]))
+
+        def body(t, h, ta):
+            h = tf.tanh(tf.matmul(h, w) + x[:, t])
+            return t + 1, h, ta.write(t, h)
+
+        array = tf.TensorArray(tf.float32, size=tf.shape(x)[1])
+        _, _, array = tf.while_loop(lambda t, *_: t < tf.shape(x)[1], body,
+                                    (0, tf.zeros([8, 16]), array))
+        h = array.stack()
+        for v in [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 2])) for i in range(4)]:
+            h = tf.tanh(tf.einsum("tbd,de->tbe", h, v))
+        said = " ".join(msg.plan(tf.reduce_sum(h), [w], checkpoints="memory").assumptions)
+        assert "the batch is known but other dimensions are not" in said, said
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 16])
         weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1])) for i in range(6)]
