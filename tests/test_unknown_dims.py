@@ -206,24 +206,21 @@ def test_an_unknown_sequence_length_is_not_called_the_batch():
     """Unknown dimensions besides the batch: the plan says that every unknown dimension
     is counted as one size (so batch_size= sets it too); where the batch fed is known
     (only a sequence length, or a loop's length, is not) it does not call it unknown."""
-    with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, None, 16])
-        weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1])) for i in range(6)]
-        h = x
-        for w in weights:
-            h = tf.tanh(tf.einsum("btd,de->bte", h, w))
-        said = " ".join(msg.plan(tf.reduce_sum(h), weights, checkpoints="memory").assumptions)
-        assert "the batch is unknown" in said, said
-        assert "dimensions besides the batch are unknown" in said and "batch_size= sets them all" in said, said
-    with tf.Graph().as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [8, None, 16])
-        weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1])) for i in range(6)]
-        h = x
-        for w in weights:
-            h = tf.tanh(tf.einsum("btd,de->bte", h, w))
-        said = " ".join(msg.plan(tf.reduce_sum(h), weights, checkpoints="memory").assumptions)
-        assert "the batch is known but other dimensions are not" in said, said
-        assert "the batch is unknown" not in said and "batch_size= sets" in said, said
+    def assumptions_of_a_sequence_model(fed_shape):
+        with tf.Graph().as_default():
+            h = tf.compat.v1.placeholder(tf.float32, fed_shape)
+            weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1]))
+                       for i in range(6)]
+            for w in weights:
+                h = tf.tanh(tf.einsum("btd,de->bte", h, w))
+            return " ".join(msg.plan(tf.reduce_sum(h), weights, checkpoints="memory").assumptions)
+
+    said = assumptions_of_a_sequence_model([None, None, 16])
+    assert "the batch is unknown" in said, said
+    assert "dimensions besides the batch are unknown" in said and "batch_size= sets them all" in said, said
+    said = assumptions_of_a_sequence_model([8, None, 16])
+    assert "the batch is known but other dimensions are not" in said, said
+    assert "the batch is unknown" not in said and "batch_size= sets" in said, said
     with tf.Graph().as_default():  # a TensorArray's stack: its length is made inside the loop
         x = tf.constant(np.ones([8, 5, 16], np.float32))
         w = tf.Variable(tf.random.stateless_normal([16, 16], seed=[7, 1]))
