@@ -253,12 +253,18 @@ def _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown) -> 
         notes = _batch_notes(checkpoints, problem, memory_budget, unknown,
                              "the batch is unknown", "batch")
         return notes[0], notes[1] + _beyond_batch_note(region)
-    example = graph_lib.has_unknown_dims(region).split(", e.g. ")[-1]
+    fed = graph_lib.first_unknown(region, fed_only=True)
+    if fed is not None:
+        subject = (f"a tensor fed has an unknown dimension besides its first (e.g. {fed.name} "
+                   f"{fed.shape}: a sequence length, or a batch that is not first)")
+    else:
+        made = graph_lib.first_unknown(region)
+        subject = (f"what is fed is fully known, but sizes made in the graph are not (e.g. "
+                   f"{made.name} {made.shape}: a loop's length)")
     return _batch_notes(
         checkpoints, problem, memory_budget, unknown,
-        f"the batch is known but other dimensions are not (e.g. {example}: a loop's length "
-        "or a sequence length; every unknown dimension is counted as one size, which "
-        "batch_size= sets)", "size")
+        f"{subject}; every unknown dimension is counted as one size, which batch_size= "
+        "sets", "size")
 
 
 def _beyond_batch_note(region) -> tuple:

@@ -500,12 +500,17 @@ def has_unknown_size(tensor: tf.Tensor) -> bool:
     return not tensor.shape.is_fully_defined()
 
 
+def _unknown_tensors(region: ForwardRegion) -> list:
+    """The region's tensors with an unknown size, as plans count them: the inputs its
+    ops read from outside it (a placeholder), then the outputs of its ops."""
+    outputs = [t for op in region.order for t in op.outputs]
+    return [t for t in [*_read_from_outside(region), *outputs] if has_unknown_size(t)]
+
+
 def has_unknown_dims(region: ForwardRegion) -> str:
     """A short description of the region's tensors with unknown dimensions
-    (e.g. ``"12 tensors, e.g. dense/MatMul:0 (None, 64)"``), or ``""``: the outputs of
-    its ops and the inputs they read from outside it (a placeholder), as plans count them."""
-    outputs = [t for op in region.order for t in op.outputs]
-    unknown = [t for t in [*_read_from_outside(region), *outputs] if has_unknown_size(t)]
+    (e.g. ``"12 tensors, e.g. dense/MatMul:0 (None, 64)"``), or ``""``."""
+    unknown = _unknown_tensors(region)
     if not unknown:
         return ""
     count = "1 tensor" if len(unknown) == 1 else f"{len(unknown)} tensors"
@@ -524,6 +529,13 @@ def batch_is_unknown(region: ForwardRegion) -> bool:
     (an unknown batch), as opposed to unknown sizes made inside it only (a loop's
     length) or fed in other dimensions (a sequence length)."""
     return any(t.shape.rank and t.shape.as_list()[0] is None for t in _read_from_outside(region))
+
+
+def first_unknown(region: ForwardRegion, fed_only: bool = False) -> "tf.Tensor | None":
+    """The first of the region's tensors with an unknown size (``fed_only``: of those it
+    reads from outside it), or None."""
+    tensors = _read_from_outside(region) if fed_only else _unknown_tensors(region)
+    return next((t for t in tensors if has_unknown_size(t)), None)
 
 
 def unknown_beyond_batch(region: ForwardRegion) -> "tf.Tensor | None":

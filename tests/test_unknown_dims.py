@@ -204,8 +204,9 @@ def test_a_budget_just_above_the_least_peak_is_met_without_a_batch():
 @pytest.mark.unit
 def test_an_unknown_sequence_length_is_not_called_the_batch():
     """Unknown dimensions besides the batch: the plan says that every unknown dimension
-    is counted as one size (so batch_size= sets it too); where the batch fed is known
-    (only a sequence length, or a loop's length, is not) it does not call it unknown."""
+    is counted as one size (so batch_size= sets it too); where the first dimension of
+    what is fed is known (only a sequence length, or a loop's length, is not) it does
+    not call the batch unknown."""
     def assumptions_of_a_sequence_model(fed_shape):
         with tf.Graph().as_default():
             h = tf.compat.v1.placeholder(tf.float32, fed_shape)
@@ -219,7 +220,7 @@ def test_an_unknown_sequence_length_is_not_called_the_batch():
     assert "the batch is unknown" in said, said
     assert "dimensions besides the batch are unknown" in said and "batch_size= sets them all" in said, said
     said = assumptions_of_a_sequence_model([8, None, 16])
-    assert "the batch is known but other dimensions are not" in said, said
+    assert "a tensor fed has an unknown dimension besides its first" in said, said
     assert "the batch is unknown" not in said and "batch_size= sets" in said, said
     with tf.Graph().as_default():  # a TensorArray's stack: its length is made inside the loop
         x = tf.constant(np.ones([8, 5, 16], np.float32))
@@ -236,7 +237,8 @@ def test_an_unknown_sequence_length_is_not_called_the_batch():
         for v in [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 2])) for i in range(4)]:
             h = tf.tanh(tf.einsum("tbd,de->tbe", h, v))
         said = " ".join(msg.plan(tf.reduce_sum(h), [w], checkpoints="memory").assumptions)
-        assert "the batch is known but other dimensions are not" in said, said
+        assert "what is fed is fully known, but sizes made in the graph are not" in said, said
+        assert "the batch is unknown" not in said, said
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 16])
         weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1])) for i in range(6)]
