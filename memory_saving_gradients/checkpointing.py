@@ -249,10 +249,18 @@ def _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown) -> 
     if not unknown or batch_size is not None:
         return batch_size, ()
     region = problem.region
-    if graph_lib.batch_is_unknown(region):
-        notes = _batch_notes(checkpoints, problem, memory_budget, unknown,
-                             "the batch is unknown", "batch")
+    subject, unit = _what_is_unknown(region)
+    notes = _batch_notes(checkpoints, problem, memory_budget, unknown, subject, unit)
+    if unit == "batch":
         return notes[0], notes[1] + _beyond_batch_note(region)
+    return notes
+
+
+def _what_is_unknown(region) -> tuple:
+    """``(subject, unit)`` for the notes of a region with unknown sizes: an unknown
+    batch, or a known one beside other unknown sizes, fed or made in the graph."""
+    if graph_lib.batch_is_unknown(region):
+        return "the batch is unknown", "batch"
     fed = graph_lib.first_unknown(region, fed_only=True)
     if fed is not None:
         subject = (f"a tensor fed has an unknown dimension besides its first (e.g. {fed.name} "
@@ -261,10 +269,8 @@ def _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown) -> 
         made = graph_lib.first_unknown(region)
         subject = (f"what is fed is fully known, but sizes made in the graph are not (e.g. "
                    f"{made.name} {made.shape}: a loop's length)")
-    return _batch_notes(
-        checkpoints, problem, memory_budget, unknown,
-        f"{subject}; every unknown dimension is counted as one size, which batch_size= "
-        "sets", "size")
+    return (f"{subject}; every unknown dimension is counted as one size, which batch_size= "
+            "sets"), "size"
 
 
 def _beyond_batch_note(region) -> tuple:
@@ -526,12 +532,16 @@ def budget_batch(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: graph
     batch = _budget_batches[key]
     if batch < 1:
         least = batch_lib.PeakModel(region, ys, xs, any_batch).peak_at(1)
+        subject, unit = _what_is_unknown(region)
+        beyond = ()
+        if unit == "batch":
+            subject, beyond = "this graph's batch is unknown", _beyond_batch_note(region)
         raise ValueError(
             f"memory_budget={describe_bytes(memory_budget)} cannot be met at any batch size: "
-            f"this graph's batch is unknown ({unknown}), and at batch 1 the least peak the "
+            f"{subject} ({unknown}), and at {unit} 1 the least peak the "
             f"memory model finds is {describe_bytes(least)}. Raise the budget, or pass "
-            "batch_size=N to plan for the batch you feed."
-            + "".join(f" ({note})" for note in _beyond_batch_note(region))
+            "batch_size=N to plan for the size you feed."
+            + "".join(f" ({note})" for note in beyond)
         )
     return batch, any_batch
 

@@ -239,6 +239,9 @@ def test_an_unknown_sequence_length_is_not_called_the_batch():
         said = " ".join(msg.plan(tf.reduce_sum(h), [w], checkpoints="memory").assumptions)
         assert "what is fed is fully known, but sizes made in the graph are not" in said, said
         assert "the batch is unknown" not in said, said
+        with pytest.raises(ValueError, match="cannot be met at any batch size: what is fed is "
+                           "fully known, but sizes made in the graph are not"):
+            msg.plan(tf.reduce_sum(h), [w], checkpoints="memory", memory_budget=2**10)
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 16])
         weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1])) for i in range(6)]
