@@ -294,7 +294,7 @@ def _batch_notes(checkpoints, problem, memory_budget, unknown, subject, unit) ->
                             "another)",)
     if checkpoints == "memory":
         return None, (f"{subject}: the checkpoints are chosen for every {unit} "
-                      f"(the least worst-case peak at {unit}s "
+                      f"(the least worst-case peak at {unit}{'es' if unit == 'batch' else 's'} "
                       f"{batch_lib.describe_range()}); the peaks above are at "
                       f"{DEFAULT_BATCH_SIZE}; plan.peak_at(batch) gives any other",)
     if checkpoints == "balanced":

@@ -524,27 +524,50 @@ def _read_from_outside(region: ForwardRegion) -> list:
     return list(found.values())
 
 
+def fed_tensors(region: ForwardRegion) -> list:
+    """What the region's inputs are computed from: walking back from the tensors it
+    reads from outside it, the outputs of ops that read no tensor of rank one or more
+    (placeholders, a dataset iterator's elements, variables' values, constants)."""
+    sources, seen = {}, set()
+    pending = [t.op for t in _read_from_outside(region)]
+    while pending:
+        op = pending.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        inputs = [t for t in op.inputs if t.shape.rank != 0]
+        if not inputs:
+            sources.update((t.ref(), t) for t in op.outputs)
+        pending.extend(t.op for t in inputs)
+    return list(sources.values())
+
+
 def batch_is_unknown(region: ForwardRegion) -> bool:
-    """Whether a tensor the region reads from outside it has an unknown first dimension
-    (an unknown batch), as opposed to unknown sizes made inside it only (a loop's
+    """Whether a tensor fed (:func:`fed_tensors`) has an unknown first dimension (an
+    unknown batch), as opposed to unknown sizes made in the graph only (a loop's
     length) or fed in other dimensions (a sequence length)."""
-    return any(t.shape.rank and t.shape.as_list()[0] is None for t in _read_from_outside(region))
+    return any(t.shape.rank and t.shape.as_list()[0] is None for t in fed_tensors(region))
 
 
 def first_unknown(region: ForwardRegion, fed_only: bool = False) -> "tf.Tensor | None":
-    """The first of the region's tensors with an unknown size (``fed_only``: of those it
-    reads from outside it), or None."""
-    tensors = _read_from_outside(region) if fed_only else _unknown_tensors(region)
+    """The first of the region's tensors with an unknown size (``fed_only``: of the
+    tensors fed, :func:`fed_tensors`), or None."""
+    tensors = fed_tensors(region) if fed_only else _unknown_tensors(region)
     return next((t for t in tensors if has_unknown_size(t)), None)
 
 
 def unknown_beyond_batch(region: ForwardRegion) -> "tf.Tensor | None":
-    """The first of the region's tensors with an unknown dimension other than the first
-    (the batch), or None: the planner counts every unknown dimension as one size."""
+    """A tensor with an unknown dimension besides the batch, or None: one fed with an
+    unknown dimension after its first (a sequence length), else one made in the region
+    with two or more unknown dimensions (a transpose may move the batch, so one unknown
+    dimension elsewhere than first may be the batch itself).  The planner counts every
+    unknown dimension as one size."""
+    for t in fed_tensors(region):
+        if t.shape.rank and any(d is None for d in t.shape.as_list()[1:]):
+            return t
     for op in region.order:
         for t in op.outputs:
-            if has_unknown_size(t) and t.shape.rank is not None and any(
-                    d is None for d in t.shape.as_list()[1:]):
+            if t.shape.rank and sum(d is None for d in t.shape.as_list()) >= 2:
                 return t
     return None
 

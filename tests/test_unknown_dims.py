@@ -250,3 +250,12 @@ def test_an_unknown_sequence_length_is_not_called_the_batch():
             h = tf.tanh(tf.matmul(h, w))
         said = " ".join(msg.plan(tf.reduce_sum(h), weights, checkpoints="memory").assumptions)
         assert "the batch is unknown" in said and "besides the batch" not in said, said
+        assert "at batches 8, 64" in said, said
+    with tf.Graph().as_default():  # time-major inside: the one unknown dimension is the batch
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6, 16])
+        weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 3])) for i in range(6)]
+        h = tf.transpose(x, [1, 0, 2])
+        for w in weights:
+            h = tf.tanh(tf.einsum("tbd,de->tbe", h, w))
+        said = " ".join(msg.plan(tf.reduce_sum(h), weights, checkpoints="memory").assumptions)
+        assert "the batch is unknown" in said and "besides the batch" not in said, said
