@@ -351,10 +351,15 @@ def patched(checkpoints: PatchCheckpoints = "memory", tape: bool = True,
 @contextlib.contextmanager
 def _patched(checkpoints, tape: bool, options: dict) -> Iterator[Patch]:
     handle = patch(checkpoints, tape, **options)
+    finished = False
     try:
         yield handle
+        finished = True
     finally:
-        handle.undo()
+        if finished:
+            handle.undo()
+        else:  # the block's error says what happened: no "rewrote nothing" beside it
+            handle._restore()
 
 
 def _check(checkpoints, tape: bool, options: dict) -> None:

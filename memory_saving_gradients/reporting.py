@@ -180,8 +180,9 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
     elif record.calls:
         category = notices.NothingRewrittenWarning
         cause = (
-            f"its {record.calls} gradient computation(s) kept no checkpoint (the warning "
-            "issued then says why) and used plain tf.gradients"
+            f"its {record.calls} gradient computation(s) kept no checkpoint and used plain "
+            "tf.gradients (a NothingKeptWarning says why the first time a graph of that "
+            "structure is planned)"
         )
     elif record.plain:
         category = notices.NothingRewrittenWarning

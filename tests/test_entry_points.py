@@ -246,6 +246,27 @@ def test_a_failed_first_trace_of_a_custom_step_can_be_traced_again(failure, monk
     assert optimizer.iterations.numpy() == 1 and steps[0].numpy() == 1
 
 
+def test_a_failed_patched_step_raises_without_saying_it_rewrote_nothing():
+    """The error is what happened: no NothingRewrittenWarning claims plain gradients
+    were used beside it."""
+    model = _keras3_model()
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        return tape.gradient(loss, model.trainable_variables)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="cannot be met"):
+            with msg.patched("memory", memory_budget=1) as handle:
+                step(*_data(BATCH))
+    assert not [w for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)], \
+        [str(w.message) for w in caught]
+    assert not handle.active  # the patch is undone all the same
+
+
 # -- 3. it says what it did -----------------------------------------------------------
 
 def _rewrite_lines(caplog):
