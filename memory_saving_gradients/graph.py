@@ -139,10 +139,16 @@ def is_recomputable(op: tf.Operation) -> bool:
     """Whether running a copy of ``op`` again is guaranteed to give the same result.
 
     Stateful ops (random draws, variable reads and writes, queues, prints),
-    control flow, function calls, ops in a v1 control-flow context and ops on
-    reference tensors are never copied: their outputs are kept instead.
+    control flow, function calls, ops in a v1 control-flow context, ops on
+    reference tensors and ops that make or read a variant (a ``TensorList``, which
+    holds tensors whose bytes the memory model cannot see: keeping one to recompute
+    from it may hold a whole sequence) are never copied: their outputs are kept
+    instead.
     """
     if op.type in op_types.CONTROL_FLOW:
+        return False
+    if any(t.dtype == tf.variant for t in op.inputs) or any(
+            t.dtype == tf.variant for t in op.outputs):
         return False
     if v1_control_flow_context(op) is not None:
         return False

@@ -154,7 +154,8 @@ def make_plan(
         predicted_step_ratio=predicted.step_time_ratio,
         strategy=strategy,
         assumptions=tuple(sorted(set(predicted.assumptions + baseline.assumptions)))
-        + tuple(batch_note) + simulate.workspace_note(region, onednn, gpu),
+        + tuple(batch_note) + simulate.workspace_note(region, onednn, gpu)
+        + simulate.loop_note(region),
         recomputed_ops=predicted.recomputed_ops,
         batch=None if batch_known else int(unknown_dim),
         schedule=schedule,

@@ -200,6 +200,19 @@ class Sizer:
 CONVOLUTION_OP_TYPES = op_types.CONVOLUTIONS
 
 
+def loop_note(region: graph_lib.ForwardRegion) -> tuple:
+    """A note where the region's while loops keep their steps' tensors in TensorLists
+    (variants) for the backward pass: bytes the memory model does not count."""
+    loops = [op for op in region.order if op.type in ("While", "StatelessWhile")
+             and any(t.dtype == tf.variant for t in op.outputs)]
+    if not loops:
+        return ()
+    return (f"{len(loops)} while loop(s) (e.g. {loops[0].name}, a recurrent layer) keep "
+            "their steps' tensors for the backward pass in TensorLists, whose bytes the "
+            "memory model does not count: both peaks leave them out, and only what lies "
+            "outside the loops is planned",)
+
+
 def workspace_note(region: graph_lib.ForwardRegion, onednn: bool, gpu: bool) -> tuple:
     """What the model leaves out on this machine, as a line for ``Plan.assumptions``.
 

@@ -440,8 +440,9 @@ def _reads_output_of(copy, ops, dtype) -> bool:
 
 def test_loop_kept_whole_rest_recomputed():
     """A loop plus a deep MLP after it: 'memory' keeps tensors after the loop and the dense
-    layers' copies run; with the stacked output left out of a checkpoint list, a copy reads
-    the loop's variant output (the stack is recomputed from it); gradients equal."""
+    layers' copies run; with the stacked output left out of a checkpoint list, no copy
+    reads the loop's variant output (a TensorList holds bytes the memory model cannot
+    see: the stack is kept, not recomputed from it); gradients equal."""
     x_value, u_value, w_values = _values()
 
     @tf.function
@@ -462,8 +463,8 @@ def test_loop_kept_whole_rest_recomputed():
             types = [op.type for op in copies]
             assert types.count("MatMul") >= 2 and "Tanh" in types, (name, types)
             assert not set(types) & {"While", "StatelessWhile"}, (name, types)
-        assert any(_reads_output_of(op, loops, tf.variant) for op in copies), \
-            "no copy reads the loop's variant output"
+        assert not any(_reads_output_of(op, loops, tf.variant) for op in copies), \
+            "a copy reads the loop's variant output"
         return reference, results
 
     reference, results = step(tf.constant(x_value), tf.constant(u_value),
@@ -553,7 +554,7 @@ def test_keras_rnn_fit_updates_every_variable_as_plain(kind, how, recorded_graph
     assert recorded_graphs, "gradients() was never called"
     copies = [op.type for g in recorded_graphs for op in g.get_operations()
               if "/recompute_" in op.name]
-    assert "TensorListStack" in copies, sorted(set(copies))
+    assert copies and not [t for t in copies if t.startswith("TensorList")], sorted(set(copies))
     for path, start, theirs, mine in zip(paths, initial, plain, ours):
         update, expected = mine - start, theirs - start
         assert np.abs(expected).max() > 0, f"{path}: plain fit did not change it"
@@ -608,3 +609,55 @@ def test_loop_then_mlp_saves_memory_as_planned(measure_peak):
     assert peaks["memory"] <= 0.7 * peaks["plain"], peaks
     for mode in peaks:
         assert abs(plans[mode] - peaks[mode]) <= 0.15 * peaks[mode], (mode, plans, peaks)
+
+
+def _recurrent_step(batch):
+    """A Keras stack of LSTM, GRU and bidirectional LSTM layers (every one a while loop
+    over TensorLists) and its training step's gradients."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((20,), dtype="int32")
+    h = keras.layers.Embedding(500, 32)(inputs)
+    h = keras.layers.LSTM(128, return_sequences=True)(h)
+    h = keras.layers.GRU(128, return_sequences=True)(h)
+    h = keras.layers.Bidirectional(keras.layers.LSTM(64, return_sequences=True))(h)
+    model = keras.Model(inputs, keras.layers.Dense(1)(keras.layers.LSTM(64)(h)))
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.integers(1, 500, (batch, 20)).astype("int32"))
+    y = tf.constant(rng.standard_normal((batch, 1)).astype("float32"))
+
+    def make():  # the batch unknown, as from a dataset
+        @tf.function(input_signature=[tf.TensorSpec([None, 20], tf.int32),
+                                      tf.TensorSpec([None, 1], tf.float32)])
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+            return tape.gradient(loss, model.trainable_variables)
+        return step
+    return make, x, y
+
+
+@pytest.mark.slow
+def test_recurrent_layers_keep_no_tensor_list_and_hold_no_more_than_plain():
+    """A TensorList holds a whole sequence whose bytes the memory model cannot see:
+    no variant is kept as a checkpoint and no op on one is recomputed, so the
+    measured peak of a Keras recurrent stack is not above plain's (it was 1.07x with
+    the lists kept). Slack: 3% of plain's peak, the spread of three traced steps."""
+    make, x, y = _recurrent_step(512)
+    plain_step = make()
+    want = plain_step(x, y)
+    plain = min(msg.peak_memory_during(lambda: plain_step(x, y)) for _ in range(3))
+    with msg.patched("memory") as handle:
+        ours_step = make()
+        got = ours_step(x, y)
+    assert handle.plans
+    for plan in handle.plans:
+        assert not [t for t in plan.checkpoints if t.dtype == tf.variant], plan.checkpoints
+        assert not [kind for kind, _ in plan.recomputed_ops if kind.startswith("TensorList")], plan
+        assert "TensorLists, whose bytes the memory model does not count" in str(plan), plan
+    ours = min(msg.peak_memory_during(lambda: ours_step(x, y)) for _ in range(3))
+    assert ours <= 1.03 * plain, (ours / 2**20, plain / 2**20)
+    for a, b in zip(want, got):
+        a, b = (tf.convert_to_tensor(g).numpy() for g in (a, b))
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * np.abs(a).max())
