@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from ._tensorflow import tf
 
 
+#: ``str(plan)`` and the INFO line give the in-step peaks when their ratio differs from
+#: the fetched one by at least this much.
+IN_STEP_NOTE_DIFFERENCE = 0.02
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A checkpointing plan and the memory model's prediction for it.
@@ -42,6 +47,12 @@ class Plan:
       schedule: the backward schedule (:class:`.schedule.Schedule`) the prediction
         replays and ``gradients()`` builds: its ``steps``, in order, and
         ``describe()`` them by name.
+      in_step_peak_bytes, in_step_baseline_peak_bytes: the two peaks again, in a
+        training step that uses each gradient of xs as soon as it is made (an
+        optimizer's update) and frees it, where the two peaks above keep every
+        gradient to the end (fetched, as ``session.run(grads)`` does).  Without a
+        ``memory_budget`` the strategies weigh plans by these: on a model whose
+        weights outweigh its activations the fetched gradients hide the saving.
     """
 
     checkpoints: tuple
@@ -55,7 +66,21 @@ class Plan:
     predicted_step_ratio: float = 1.0
     schedule: schedule_lib.Schedule | None = dataclasses.field(
         default=None, repr=False, compare=False)
+    in_step_peak_bytes: int | None = None
+    in_step_baseline_peak_bytes: int | None = None
     _model: object = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def in_step_ratio(self) -> float | None:
+        """``in_step_peak_bytes`` as a fraction of ``in_step_baseline_peak_bytes``."""
+        if self.in_step_peak_bytes is None or self.in_step_baseline_peak_bytes is None:
+            return None
+        return self.in_step_peak_bytes / max(self.in_step_baseline_peak_bytes, 1)
+
+    def in_step_differs(self) -> bool:
+        """Whether the in-step ratio differs from :attr:`predicted_ratio` enough to say."""
+        ratio = self.in_step_ratio
+        return ratio is not None and abs(ratio - self.predicted_ratio) >= IN_STEP_NOTE_DIFFERENCE
 
     @property
     def batch_known(self) -> bool:
@@ -106,6 +131,11 @@ class Plan:
             f"{self.recompute_cost:.2f} of a forward pass, predicted step time "
             f"{self.predicted_step_ratio:.2f}x",
         ]
+        if self.in_step_differs():
+            lines.append(
+                f"  in a training step that applies each gradient as it is made: predicted peak "
+                f"{self.in_step_peak_bytes / mb:.1f} MB vs {self.in_step_baseline_peak_bytes / mb:.1f} MB "
+                f"({self.in_step_ratio:.2f}x)")
         if self.recomputed_ops:
             lines.append(
                 "  recomputes: " + ", ".join(f"{n} {kind}" for kind, n in self.recomputed_ops)
@@ -137,14 +167,18 @@ def make_plan(
     ``assumptions``; ``stops``: the ``stop_gradients``; ``schedule``: the backward
     schedule of these checkpoints and stops, when already worked out."""
     sizer = simulate.Sizer(unknown_dim)
-    baseline = simulate.predict_baseline(region, ys, xs, unknown_dim, sizer=sizer)
+    baseline, in_step_baseline = (
+        simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, sizer)
+        for fetched in (True, False))
     if checkpoints:
         if schedule is None:
             schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops)
-        predicted = simulate.predict_checkpointed(region, ys, xs, checkpoints, unknown_dim,
-                                                  sizer=sizer, stops=stops, schedule=schedule)
+        predicted, in_step = (
+            simulate.predict_checkpointed(region, ys, xs, checkpoints, unknown_dim, fetched,
+                                          sizer, stops, schedule)
+            for fetched in (True, False))
     else:  # nothing kept: gradients() calls plain tf.gradients, and so does this plan
-        schedule, predicted = None, baseline
+        schedule, predicted, in_step = None, baseline, in_step_baseline
     model = batch_lib.PeakModel(region, ys, xs, checkpoints, stops=stops, schedule=schedule)
     return Plan(
         checkpoints=tuple(checkpoints),
@@ -159,5 +193,7 @@ def make_plan(
         recomputed_ops=predicted.recomputed_ops,
         batch=None if batch_known else int(unknown_dim),
         schedule=schedule,
+        in_step_peak_bytes=in_step.peak_bytes,
+        in_step_baseline_peak_bytes=in_step_baseline.peak_bytes,
         _model=None if batch_known else model,
     )

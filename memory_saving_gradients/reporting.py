@@ -133,13 +133,15 @@ def rewrote(plan: Plan, graph: tf.Graph) -> None:
             graphs.append(id(graph))
         if len(graphs) > 1:
             again = f" (traced again by TensorFlow: trace {graphs.index(id(graph)) + 1})"
+    in_step = (f" ({plan.in_step_ratio:.2f}x in a step that applies each gradient as it "
+               f"is made)" if plan.in_step_differs() else "")
     logger.info(
         "memory_saving_gradients: rewrote the gradients of %s%s: checkpoints=%r, %d "
-        "checkpoints, predicted peak %.2f MB vs %.2f MB plain (%.2fx), recomputation "
+        "checkpoints, predicted peak %.2f MB vs %.2f MB plain (%.2fx)%s, recomputation "
         "%.2f of a forward pass",
         what, again, plan.strategy, len(plan.checkpoints),
         plan.predicted_peak_bytes / mb, plan.baseline_peak_bytes / mb, plan.predicted_ratio,
-        plan.recompute_cost,
+        in_step, plan.recompute_cost,
     )
 
 
