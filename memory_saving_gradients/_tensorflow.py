@@ -140,6 +140,12 @@ def is_function_call(op: tf.Operation) -> bool:
     return op.graph._is_function(op.type)
 
 
+def while_body_graph(op: tf.Operation):
+    """The body ``FuncGraph`` that a v2 ``While`` op built in this process keeps
+    (``while_v2`` sets it on the op), or None (e.g. a loop imported from a GraphDef)."""
+    return getattr(op, "_body_graph", None)
+
+
 def is_ref_dtype(dtype: tf.DType) -> bool:
     """Whether ``dtype`` is a v1 reference type (``float32_ref``, ...)."""
     return dtype._is_ref_dtype

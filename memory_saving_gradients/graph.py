@@ -176,6 +176,8 @@ def gradient_reads(op: tf.Operation, needs_gradient: NeedsGradient = lambda tens
         return (), ()
     if op.type in op_types.GRADIENT_READS_OUTPUTS:
         return (), tuple(op.outputs)
+    if op.type in op_types.GRADIENT_READS_FIRST_INPUT:
+        return tuple(op.inputs[:1]), ()
     if op.type in op_types.GRADIENT_READS_SECOND_OUTPUT:
         return (), (op.outputs[1],)
     if op.type in op_types.GRADIENT_READS_TWO_INPUTS_AND_SAVED_OUTPUTS:
@@ -188,6 +190,79 @@ def gradient_reads(op: tf.Operation, needs_gradient: NeedsGradient = lambda tens
             t for t, other in ((first, second), (second, first)) if needs_gradient(other)
         ), ()
     return tuple(op.inputs), ()
+
+
+#: The v2 loop ops whose gradients read what their body's iterations kept.
+WHILE_OP_TYPES = frozenset({"While", "StatelessWhile"})
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopAccumulators:
+    """What a v2 while loop keeps of each iteration for its gradient.
+
+    ``per_step``: the body's tensors its ops' gradients read (:func:`gradient_reads`),
+    but the loop's invariants (tensors the body passes through unchanged) and the
+    outputs of ops that share another tensor's buffer (a variable's read: a list
+    of it holds the variable's own buffer):
+    TensorFlow pushes each onto a ``TensorList`` every iteration, and the loop's
+    gradient pops them.  ``steps``: the trip count where it is static (the loop's
+    ``maximum_iterations``, or the length of a list the loop reads), else None.
+    """
+
+    per_step: tuple
+    steps: int | None
+
+
+def loop_accumulators(op: tf.Operation) -> LoopAccumulators | None:
+    """:class:`LoopAccumulators` of a v2 ``While`` op whose body this process built;
+    None for any other op."""
+    if op.type not in WHILE_OP_TYPES:
+        return None
+    body = _tf_internals.while_body_graph(op)
+    if body is None:
+        return None
+    invariant = {a.ref() for a, b in zip(body.inputs, body.outputs) if a is b}
+    read: dict = {}
+    for body_op in body.get_operations():
+        reads_in, reads_out = gradient_reads(body_op)
+        for t in reads_in + reads_out:
+            if (t.dtype not in (tf.resource, tf.variant) and t.ref() not in invariant
+                    and t.op.type not in op_types.ALIASES):
+                read.setdefault(t.ref(), t)
+    for value, carried in zip(body.inputs, body.outputs):
+        # a loop variable holds the buffer the iteration before made: a list of both
+        # holds each buffer once
+        if value.ref() in read and _buffer_root(carried).ref() in read:
+            del read[value.ref()]
+    return LoopAccumulators(tuple(sorted(read.values(), key=lambda t: t.name)),
+                            _trip_count(op))
+
+
+def _buffer_root(tensor: tf.Tensor) -> tf.Tensor:
+    """The tensor whose buffer ``tensor`` shares, through ops that forward their input's."""
+    while tensor.op.type in op_types.ALIASES and tensor.op.inputs:
+        tensor = tensor.op.inputs[0]
+    return tensor
+
+
+def _trip_count(op: tf.Operation) -> int | None:
+    """A ``While``'s static trip count: its ``maximum_iterations`` (its second input,
+    as ``while_v2`` builds it), or else the longest static length of a list it reads
+    (the sequence a recurrent layer steps through, from ``TensorListFromTensor``;
+    the lists it writes, from ``TensorListReserve``, may be shorter)."""
+    if len(op.inputs) > 1:
+        limit = tf.get_static_value(op.inputs[1])
+        if limit is not None and int(limit) >= 0:
+            return int(limit)
+    lengths = []
+    for t in op.inputs:
+        maker = t.op
+        if maker.type == "TensorListFromTensor" and maker.inputs[0].shape.rank:
+            lengths.append(maker.inputs[0].shape[0])
+        elif maker.type == "TensorListReserve":
+            lengths.append(tf.get_static_value(maker.inputs[1]))
+    lengths = [int(n) for n in lengths if n is not None and int(n) >= 0]
+    return max(lengths) if lengths else None
 
 
 def gradient_reads_output_of(op: tf.Operation, consumer: tf.Operation,

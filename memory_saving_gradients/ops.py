@@ -42,10 +42,13 @@ VALUE_FORWARDING = frozenset(
 SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims"})
 #: Reads of a resource variable's value.
 VARIABLE_READS = frozenset({"ReadVariableOp"})
+#: A TensorList made from a tensor: its elements are slices of that tensor's buffer,
+#: which the list holds as long as it lives (a recurrent layer's input sequence).
+LISTS_OF_SLICES = frozenset({"TensorListFromTensor"})
 #: v1 reference variables (an ``Identity`` of one is the read of its value).
 REF_VARIABLES = frozenset({"VariableV2", "Variable"})
 #: Outputs that share their input's memory in the memory model: no new buffer.
-ALIASES = VALUE_FORWARDING | SAME_ELEMENTS | VARIABLE_READS
+ALIASES = VALUE_FORWARDING | SAME_ELEMENTS | VARIABLE_READS | LISTS_OF_SLICES
 
 #: v1 ``TensorArray`` ops whose registered gradient finds its accumulator by the name
 #: scope of the gradient it receives (``tensor_array_grad._GetGradSource``): an in-place
@@ -86,12 +89,16 @@ GRADIENT_READS_NOTHING = frozenset({
     "Split", "SplitV", "Slice", "StridedSlice", "Transpose", "Pad", "Cast",
     "Sum", "Mean", "Tile", "StopGradient", "ReadVariableOp", "ResourceGather",
     "GatherV2", "BroadcastTo", "ZerosLike", "OnesLike", "Snapshot", "EnsureShape",
+    "TensorListFromTensor",
 })
 #: The gradient reads the outputs only.
 GRADIENT_READS_OUTPUTS = frozenset({
     "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Exp", "Sqrt", "Rsqrt",
     "Softmax", "LogSoftmax", "Reciprocal", "Inv",
 })
+#: The gradient reads the first input only: a select's condition (its branches' shapes
+#: are read, not their values).
+GRADIENT_READS_FIRST_INPUT = frozenset({"Select", "SelectV2"})
 #: The gradient reads the inputs and the outputs.
 GRADIENT_READS_INPUTS_AND_OUTPUTS = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D", "Max", "Min", "Prod"})
 #: The gradient reads the second output only (the loss's backprop, saved by the op).

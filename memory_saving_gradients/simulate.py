@@ -96,6 +96,7 @@ class Sizer:
         self._shapes: dict = {}
         self._costs: dict = {}
         self._per_region: dict = {}  # (id(region), key) -> (region, value)
+        self.loops_assumed: set = set()  # loops whose trip count is not static
 
     def __call__(self, tensor: tf.Tensor) -> int:
         # keyed by identity (a graph op keeps its output tensors), tensor kept alive
@@ -163,6 +164,24 @@ class Sizer:
                         break
         return estimated
 
+    def loop_bytes(self, op: tf.Operation) -> int:
+        """Bytes a v2 while loop keeps for its gradient (:func:`graph.loop_accumulators`):
+        each iteration's tensors times its trip count (``unknown_dim`` where the count is
+        not static, and said among the assumptions); 0 for any other op."""
+        key = ("loop", op)
+        found = self._costs.get(key)
+        if found is None:
+            kept = graph_lib.loop_accumulators(op)
+            found = 0
+            if kept is not None and kept.per_step:
+                steps = kept.steps
+                if steps is None:
+                    steps = self.unknown_dim
+                    self.loops_assumed.add(op.name)
+                found = steps * sum(self(t) for t in kept.per_step)
+            self._costs[key] = found
+        return found
+
     def per_region(self, region: graph_lib.ForwardRegion, key: Hashable, make: Callable[[], _T]) -> _T:
         """``make()``, computed once per region and ``key`` and remembered: what
         every prediction over the same region shares."""
@@ -185,15 +204,21 @@ class Sizer:
         return found
 
     def assumptions(self) -> tuple:
+        notes = ()
+        if self.loops_assumed:
+            loops = sorted(self.loops_assumed)
+            notes += (f"{len(loops)} while {'loop' if len(loops) == 1 else 'loops'} (e.g. "
+                      f"{loops[0]}) {'has' if len(loops) == 1 else 'have'} no static trip count: "
+                      f"the steps each keeps for its gradient are counted as {self.unknown_dim}",)
         if not self.assumed:
-            return ()
+            return notes
         names = sorted(self.assumed)
         return (
             f"{len(names)} {'tensor has' if len(names) == 1 else 'tensors have'} unknown "
             "dimensions, counted as "
             f"{self.unknown_dim} (e.g. {', '.join(names[:3])}); pass batch_size= "
             "to state the size you feed",
-        )
+        ) + notes
 
 
 #: :data:`.ops.CONVOLUTIONS`.
@@ -202,15 +227,15 @@ CONVOLUTION_OP_TYPES = op_types.CONVOLUTIONS
 
 def loop_note(region: graph_lib.ForwardRegion) -> tuple:
     """A note where the region's while loops keep their steps' tensors in TensorLists
-    (variants) for the backward pass: bytes the memory model does not count."""
-    loops = [op for op in region.order if op.type in ("While", "StatelessWhile")
-             and any(t.dtype == tf.variant for t in op.outputs)]
+    for the backward pass: counted from the loop bodies, never planned."""
+    loops = [op for op in region.order if op.type in graph_lib.WHILE_OP_TYPES]
     if not loops:
         return ()
     return (f"{len(loops)} while loop(s) (e.g. {loops[0].name}, a recurrent layer) keep "
-            "their steps' tensors for the backward pass in TensorLists, whose bytes the "
-            "memory model does not count: both peaks leave them out, and only what lies "
-            "outside the loops is planned",)
+            "their steps' tensors for the backward pass in TensorLists: both peaks count "
+            "them from each loop's body (the tensors its gradient reads, times its trip "
+            "count), they are kept whatever the plan, and only what lies outside the "
+            "loops is planned",)
 
 
 def workspace_note(region: graph_lib.ForwardRegion, onednn: bool, gpu: bool) -> tuple:
@@ -395,6 +420,9 @@ def _forward(timeline: _Timeline, region, size) -> int:
     for step, op in enumerate(region.order):
         for t in op.inputs:
             timeline.use(t.ref(), step)
+        if op.type in graph_lib.WHILE_OP_TYPES:
+            # what the loop keeps of each iteration, until its gradient pops it
+            timeline.alloc(_loop_key(op), size.loop_bytes(op), step)
         for t in op.outputs:
             if op.type in ALIAS_OP_TYPES and op.inputs:
                 timeline.alias_of(t.ref(), op.inputs[0].ref())
@@ -453,7 +481,8 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
 
         reads_in, reads_out = graph_lib.gradient_reads(op, wanted)
         found = (
-            [t.ref() for t in list(reads_in) + list(reads_out)],
+            [t.ref() for t in list(reads_in) + list(reads_out)]
+            + ([_loop_key(op)] if op.type in graph_lib.WHILE_OP_TYPES else []),
             [t.ref() for t in op.outputs],
             [(t.ref(), _gradient_size(t, op, size)) for t in op.inputs
              if graph_lib.carries_gradient(t) and wanted(t)],
@@ -465,6 +494,12 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
     grads.consume(outputs, step)
     for ref, nbytes in emitted:
         grads.add(ref, nbytes, step)
+
+
+def _loop_key(op: tf.Operation) -> tuple:
+    """The timeline's key for what a while loop keeps for its gradient (never renamed:
+    a loop is not recomputed)."""
+    return ("loop", op.name)
 
 
 def _backward_memo(size: Sizer, region, xs_refs) -> dict:
@@ -622,6 +657,8 @@ class _Replay:
         inside = set(segment.ops) if recompute else set()
 
         def rename(ref):
+            if ref.__class__ is tuple:  # a loop's kept iterations (_loop_key)
+                return ref
             return (index, ref) if ref.deref().op in inside else ref
 
         if recompute:
