@@ -172,7 +172,17 @@ def gradient_reads(op: tf.Operation, needs_gradient: NeedsGradient = lambda tens
     ``needs_gradient(tensor)`` says whether an input's gradient is wanted;
     it decides what products read.
     """
-    if op.type in op_types.GRADIENT_READS_NOTHING:
+    reads = _gradient_reads_by_type(op, needs_gradient)
+    index = op_types.GRADIENT_ZEROS_LIKE_INPUT.get(op.type)
+    if index is not None and len(op.inputs) > index and not op.inputs[index].shape.is_fully_defined():
+        return reads[0] + (op.inputs[index],), reads[1]
+    return reads
+
+
+def _gradient_reads_by_type(op: tf.Operation, needs_gradient: NeedsGradient) -> tuple:
+    """:func:`gradient_reads` by the op type's set in :mod:`.ops`; ops that read only
+    shapes have no gradient (TensorFlow registers none), so it reads nothing."""
+    if op.type in op_types.GRADIENT_READS_NOTHING or op.type in op_types.SHAPE_ONLY_READERS:
         return (), ()
     if op.type in op_types.GRADIENT_READS_OUTPUTS:
         return (), tuple(op.outputs)
@@ -207,10 +217,16 @@ class LoopAccumulators:
     TensorFlow pushes each onto a ``TensorList`` every iteration, and the loop's
     gradient pops them.  ``steps``: the trip count where it is static (the loop's
     ``maximum_iterations``, or the length of a list the loop reads), else None.
+    ``zeros_per_step``: the items the body writes into a list (``TensorListSetItem``, a
+    recurrent layer's output sequence) whose shape is not static: each iteration of the
+    loop's gradient writes a new zeros tensor of that item's size into the list's
+    gradient (``zeros_like`` of a static shape is one constant), and they stay there
+    until the gradient loop ends.
     """
 
     per_step: tuple
     steps: int | None
+    zeros_per_step: tuple = ()
 
 
 def loop_accumulators(op: tf.Operation) -> LoopAccumulators | None:
@@ -234,8 +250,11 @@ def loop_accumulators(op: tf.Operation) -> LoopAccumulators | None:
         # holds each buffer once
         if value.ref() in read and _buffer_root(carried).ref() in read:
             del read[value.ref()]
+    zeros = tuple(body_op.inputs[2] for body_op in body.get_operations()
+                  if body_op.type == "TensorListSetItem" and len(body_op.inputs) > 2
+                  and not body_op.inputs[2].shape.is_fully_defined())
     return LoopAccumulators(tuple(sorted(read.values(), key=lambda t: t.name)),
-                            _trip_count(op))
+                            _trip_count(op), zeros)
 
 
 def _buffer_root(tensor: tf.Tensor) -> tf.Tensor:

@@ -89,7 +89,7 @@ GRADIENT_READS_NOTHING = frozenset({
     "Split", "SplitV", "Slice", "StridedSlice", "Transpose", "Pad", "Cast",
     "Sum", "Mean", "Tile", "StopGradient", "ReadVariableOp", "ResourceGather",
     "GatherV2", "BroadcastTo", "ZerosLike", "OnesLike", "Snapshot", "EnsureShape",
-    "TensorListFromTensor",
+    "TensorListFromTensor", "TensorListSetItem",
 })
 #: The gradient reads the outputs only.
 GRADIENT_READS_OUTPUTS = frozenset({
@@ -99,6 +99,10 @@ GRADIENT_READS_OUTPUTS = frozenset({
 #: The gradient reads the first input only: a select's condition (its branches' shapes
 #: are read, not their values).
 GRADIENT_READS_FIRST_INPUT = frozenset({"Select", "SelectV2"})
+#: Gradients that make ``zeros_like`` of an input (op type -> the input's index): where
+#: the input's shape is not static, that is a ``ZerosLike`` op reading the input (in a
+#: loop, TensorFlow keeps it for the gradient); a static shape makes a constant.
+GRADIENT_ZEROS_LIKE_INPUT = {"TensorListSetItem": 2, "Select": 1}
 #: The gradient reads the inputs and the outputs.
 GRADIENT_READS_INPUTS_AND_OUTPUTS = frozenset({"MaxPool", "MaxPoolV2", "MaxPool3D", "Max", "Min", "Prod"})
 #: The gradient reads the second output only (the loss's backprop, saved by the op).

@@ -168,17 +168,29 @@ class Sizer:
         """Bytes a v2 while loop keeps for its gradient (:func:`graph.loop_accumulators`):
         each iteration's tensors times its trip count (``unknown_dim`` where the count is
         not static, and said among the assumptions); 0 for any other op."""
+        return self._loop_sizes(op)[0]
+
+    def loop_gradient_bytes(self, op: tf.Operation) -> int:
+        """Bytes a v2 while loop's gradient makes besides what the loop kept: the zeros
+        it writes into the gradient of each list the body writes an item of unknown
+        shape into (:attr:`graph.LoopAccumulators.zeros_per_step`), times the trip
+        count; 0 for any other op.  The simulation holds them from the backward pass's
+        start to the loop's gradient."""
+        return self._loop_sizes(op)[1]
+
+    def _loop_sizes(self, op: tf.Operation) -> tuple:
         key = ("loop", op)
         found = self._costs.get(key)
         if found is None:
             kept = graph_lib.loop_accumulators(op)
-            found = 0
-            if kept is not None and kept.per_step:
+            found = (0, 0)
+            if kept is not None and (kept.per_step or kept.zeros_per_step):
                 steps = kept.steps
                 if steps is None:
                     steps = self.unknown_dim
                     self.loops_assumed.add(op.name)
-                found = steps * sum(self(t) for t in kept.per_step)
+                found = (steps * sum(self(t) for t in kept.per_step),
+                         steps * sum(self(t) for t in kept.zeros_per_step))
             self._costs[key] = found
         return found
 
@@ -417,12 +429,17 @@ def _forward_timeline(region, size: Sizer) -> tuple:
 
 
 def _forward(timeline: _Timeline, region, size) -> int:
+    end = len(region.order)
     for step, op in enumerate(region.order):
         for t in op.inputs:
             timeline.use(t.ref(), step)
         if op.type in graph_lib.WHILE_OP_TYPES:
             # what the loop keeps of each iteration, until its gradient pops it
             timeline.alloc(_loop_key(op), size.loop_bytes(op), step)
+            # the zeros its gradient writes (Sizer.loop_gradient_bytes): TensorFlow runs a
+            # loop as dataflow, and the gradient loop makes them from what it pops, without
+            # waiting for its incoming gradient: from the backward pass's start
+            timeline.alloc(_loop_zeros_key(op), size.loop_gradient_bytes(op), end)
         for t in op.outputs:
             if op.type in ALIAS_OP_TYPES and op.inputs:
                 timeline.alias_of(t.ref(), op.inputs[0].ref())
@@ -482,7 +499,7 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
         reads_in, reads_out = graph_lib.gradient_reads(op, wanted)
         found = (
             [t.ref() for t in list(reads_in) + list(reads_out)]
-            + ([_loop_key(op)] if op.type in graph_lib.WHILE_OP_TYPES else []),
+            + ([_loop_key(op), _loop_zeros_key(op)] if op.type in graph_lib.WHILE_OP_TYPES else []),
             [t.ref() for t in op.outputs],
             [(t.ref(), _gradient_size(t, op, size)) for t in op.inputs
              if graph_lib.carries_gradient(t) and wanted(t)],
@@ -500,6 +517,11 @@ def _loop_key(op: tf.Operation) -> tuple:
     """The timeline's key for what a while loop keeps for its gradient (never renamed:
     a loop is not recomputed)."""
     return ("loop", op.name)
+
+
+def _loop_zeros_key(op: tf.Operation) -> tuple:
+    """The timeline's key for the zeros a while loop's gradient writes (never renamed)."""
+    return ("loop zeros", op.name)
 
 
 def _backward_memo(size: Sizer, region, xs_refs) -> dict:

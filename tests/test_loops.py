@@ -648,15 +648,21 @@ def test_recurrent_layers_keep_no_tensor_list_and_hold_no_more_than_plain():
     """A TensorList holds a whole sequence whose bytes the memory model cannot see:
     no variant is kept as a checkpoint and no op on one is recomputed, so the
     measured peak of a Keras recurrent stack is not above plain's (it was 1.07x with
-    the lists kept). Slack: 3% of plain's peak, the spread of three traced steps."""
+    the lists kept); where the model predicts no saving, the patch falls back and says
+    so. Slack: 3% of plain's peak, the spread of three traced steps."""
     make, x, y = _recurrent_step(512)
     plain_step = make()
     want = plain_step(x, y)
     plain = min(msg.peak_memory_during(lambda: plain_step(x, y)) for _ in range(3))
-    with msg.patched("memory") as handle:
-        ours_step = make()
-        got = ours_step(x, y)
-    assert handle.plans
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with msg.patched("memory") as handle:
+            ours_step = make()
+            got = ours_step(x, y)
+    # the memory model now predicts no saving here (what the loops keep dominates): the
+    # patch then falls back to plain tf.gradients, and says so
+    fell_back = [w for w in caught if issubclass(w.category, msg.NothingKeptWarning)]
+    assert handle.plans or fell_back, [str(w.message) for w in caught]
     for plan in handle.plans:
         assert not [t for t in plan.checkpoints if t.dtype == tf.variant], plan.checkpoints
         assert not [kind for kind, _ in plan.recomputed_ops if kind.startswith("TensorList")], plan
@@ -717,11 +723,14 @@ def _recurrent_stack_step(batch, steps, masked):
 @pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "masked"])
 def test_recurrent_stack_peak_counts_what_the_loops_keep(masked):
     """What a while loop keeps of each iteration for its gradient (pushed on TensorLists
-    when the gradient is built) is counted: plan()'s plain peak of a recurrent stack is
-    within 10% (unmasked; measured 1%) or 20% (masked: it counts some of a select's
-    branches; measured 12% over) of the measured peak, where it predicted a tenth of
-    it before the loops were counted. 'memory' measures at most 3% above plain (it
-    measured 1.03-1.09x with the loops uncounted)."""
+    when the gradient is built) is counted, with what an unknown batch adds (the zeros
+    each loop's gradient writes per step): plan()'s plain peak of a recurrent stack is
+    within 10% (unmasked; measured 2% over) or 20% (masked: measured 15% over) of the
+    measured peak, where it predicted a tenth of it before the loops were counted.
+    'memory' measures at most 3% above plain (it measured 1.03-1.09x with the loops
+    uncounted), and its plan's predicted ratio is the measured one within 0.05:
+    recomputing nothing of weight, it predicted 0.92x where the step measured 1.00x
+    before the zeros and Shape reads were modelled."""
     make, plan, x, y = _recurrent_stack_step(512, 20, masked)
     plain_step = make()
     want = plain_step(x, y)
@@ -738,6 +747,8 @@ def test_recurrent_stack_peak_counts_what_the_loops_keep(masked):
                f"'memory' measured {ours / 2**20:.1f} MB")
     assert abs(predicted - plain) <= (0.2 if masked else 0.1) * plain, summary
     assert ours <= 1.03 * plain, summary
+    planned = plan()  # the saving it predicts is the one measured, within 5% of plain's peak
+    assert abs(planned.predicted_ratio - ours / plain) <= 0.05, (summary, str(planned))
     for a, b in zip(want, got):
         a, b = (tf.convert_to_tensor(g).numpy() for g in (a, b))
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * np.abs(a).max())
