@@ -250,9 +250,10 @@ def loop_accumulators(op: tf.Operation) -> LoopAccumulators | None:
         # holds each buffer once
         if value.ref() in read and _buffer_root(carried).ref() in read:
             del read[value.ref()]
-    zeros = tuple(body_op.inputs[2] for body_op in body.get_operations()
-                  if body_op.type == "TensorListSetItem" and len(body_op.inputs) > 2
-                  and not body_op.inputs[2].shape.is_fully_defined())
+    item = op_types.GRADIENT_ZEROS_LIKE_INPUT["TensorListSetItem"]
+    zeros = tuple(body_op.inputs[item] for body_op in body.get_operations()
+                  if body_op.type == "TensorListSetItem" and len(body_op.inputs) > item
+                  and not body_op.inputs[item].shape.is_fully_defined())
     return LoopAccumulators(tuple(sorted(read.values(), key=lambda t: t.name)),
                             _trip_count(op), zeros)
 
