@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import threading
 import warnings
 
@@ -92,6 +93,7 @@ from tensorflow.python.ops import default_gradient as _default_gradient
 from tensorflow.python.ops import gradients_impl as _gradients_impl
 from tensorflow.python.ops import gradients_util as _gradients_util
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
+from tensorflow.python.ops import script_ops as _script_ops
 
 #: TensorFlow's own ``tf.compat.v1.gradients``, captured before any patching.
 tf_gradients = _gradients_impl.gradients
@@ -138,6 +140,31 @@ def graph_control_flow_context(graph: tf.Graph) -> ControlFlowContext | None:
 def is_function_call(op: tf.Operation) -> bool:
     """Whether ``op`` calls a function of its graph's library by name (no OpDef of its own)."""
     return op.graph._is_function(op.type)
+
+
+#: The source file of ``tf.py_function``'s runtime: it runs Python eagerly, from a graph.
+_PY_FUNCTION_FILE = _script_ops.__file__
+
+
+def running_in_py_function() -> bool:
+    """Whether this Python code runs inside a ``tf.py_function`` (or ``numpy_function``)
+    that a graph is executing: TensorFlow calls it eagerly, and differentiates it with
+    an eager tape of its own."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename == _PY_FUNCTION_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def captured_placeholder(graph, value):
+    """The placeholder through which a ``FuncGraph`` reads ``value``, a tensor from outside
+    it (an eager tensor the traced function uses), or None where it captured none."""
+    for external, internal in getattr(graph, "captures", None) or ():
+        if external is value:
+            return internal
+    return None
 
 
 def while_body_graph(op: tf.Operation):

@@ -16,6 +16,8 @@ memory is found by a search over integers.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import simulate
@@ -39,6 +41,25 @@ HEADROOM = 0.15
 BATCH_LIMIT = 2**24
 
 
+def checked_batch(batch) -> int:
+    """``batch`` as an ``int``; ValueError unless it is a positive integer (a float such
+    as 1.5 is no batch)."""
+    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+        raise ValueError(f"batch must be a positive integer; got {batch!r}.")
+    return int(batch)
+
+
+def checked_bytes(value, name: str, positive: bool = True) -> float:
+    """``value`` as a number of bytes; ValueError unless it is a finite number, above 0
+    (``positive``) or at least 0."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(value) or value < 0 or (positive and value == 0)):
+        raise ValueError(
+            f"{name} must be a {'positive' if positive else 'non-negative'}, finite number "
+            f"of bytes; got {value!r} (e.g. 4 * 2**30 for 4 GiB).")
+    return float(value)
+
+
 class PeakModel:
     """Predicted peaks of a plan and of plain ``tf.gradients`` at any batch size.
 
@@ -60,9 +81,7 @@ class PeakModel:
 
     def peak_at(self, batch: int, plain: bool = False) -> int:
         """Predicted peak bytes at this batch: of the plan, or of plain ``tf.gradients``."""
-        batch = int(batch)
-        if batch < 1:
-            raise ValueError(f"batch must be a positive integer; got {batch!r}.")
+        batch = checked_batch(batch)
         key = (batch, plain)
         if key not in self._peaks:
             sizer = simulate.Sizer(batch)

@@ -23,7 +23,6 @@ import functools
 import inspect
 import logging
 import numbers
-import warnings
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import _gc, guard, memo, notices, planning, recovery, reporting, rewrite, simulate, strategies
@@ -215,6 +214,7 @@ def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=()) 
     again."""
     strategy = checkpoints if isinstance(checkpoints, str) else "list"
     unknown = graph_lib.has_unknown_dims(problem.region)
+    stated = batch_size is not None
     batch_size, batch_note = _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown)
     schedule = schedule_lib.backward_schedule(
         problem.region, problem.ys, problem.xs, chosen, stops) if chosen else None
@@ -224,13 +224,15 @@ def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=()) 
             problem.ys, problem.xs, problem.region, chosen, strategy,
             _unknown_dim(batch_size), onednn_enabled(), gpu_visible(),
             batch_known=not unknown, batch_note=batch_note, stops=stops, schedule=schedule,
+            batch_stated=stated,
         )
 
     key = _memo_key(checkpoints, memory_budget, _planning_dim(batch_size, unknown),
                     problem.region, problem.ys, problem.xs)
     if key is None:
         return make()
-    return memo.remembered_plan(key + _stops_key(stops, problem.region), chosen, make, schedule)
+    return memo.remembered_plan(key + _stops_key(stops, problem.region) + (stated,), chosen,
+                                make, schedule)
 
 
 def _stops_key(stops, region) -> tuple:
@@ -573,7 +575,8 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
         baseline = simulate.predict_baseline(region, ys, xs, at, fetched=False)
         why = (
             "the memory model predicts no set of checkpoints with a lower peak than "
-            f"plain tf.gradients' {baseline.peak_bytes / MIB:.2f} MB on this graph "
+            f"plain tf.gradients' {baseline.peak_bytes / MIB:.2f} MB (in a step that "
+            "applies each gradient as it is made) on this graph "
             f"({len(region.ops)} ops between xs and ys; {_why_nothing_helps(region)})"
         )
         if unknown and any_batch:
@@ -583,21 +586,26 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
         elif unknown:
             why += (f"; unknown dimensions ({unknown}) were counted as {unknown_dim}: "
                     "pass batch_size=N if you feed a larger batch")
-    warnings.warn(
+    notices.warn(
         f"checkpoints={checkpoints!r} keeps nothing: {why}. Using plain tf.gradients "
         "(no memory is saved).",
-        notices.NothingKeptWarning, stacklevel=2,
+        notices.NothingKeptWarning
     )
 
 
 #: Strategies that keep tensors by a rule, not by the memory model: they fall back to plain
 #: tf.gradients where the model predicts their plan saves nothing.
 _RULE_STRATEGIES = ("speed",)
+#: The least saving (a fraction of plain tf.gradients' predicted peak) for which such a
+#: plan is kept: a smaller one is within the memory model's error, and its
+#: recomputation would cost time for it.
+RULE_MIN_SAVING = 0.02
 
 
 def _unless_nothing_saved(checkpoints, usable, ys, xs, region, unknown_dim, unknown="") -> list:
-    """``usable``, or [] with a warning where the memory model predicts no lower peak for
-    it than plain tf.gradients' (recomputing would then cost time for nothing).
+    """``usable``, or [] with a warning where the memory model predicts for it a peak less
+    than :data:`RULE_MIN_SAVING` under plain tf.gradients' (recomputing would then cost
+    time for nothing, or for a saving within the model's error).
 
     With an unknown batch the peaks are compared at the largest planning batch, where
     activations weigh most.
@@ -605,17 +613,20 @@ def _unless_nothing_saved(checkpoints, usable, ys, xs, region, unknown_dim, unkn
     at = batch_lib.PLANNING_BATCHES[-1] if unknown_dim is None else unknown_dim
     peaks = batch_lib.PeakModel(region, ys, xs, usable)
     planned, plain = peaks.peak_at(at), peaks.peak_at(at, plain=True)
-    if planned < plain:
+    if planned < (1 - RULE_MIN_SAVING) * plain:
         return usable
     where = f"unknown dimensions ({unknown}) counted as {at}; " if unknown else ""
-    warnings.warn(
-        f"checkpoints={checkpoints!r} saves nothing on this graph: keeping its "
+    saves = ("saves nothing" if planned >= plain else
+             f"saves only {1 - planned / plain:.1%} (less than the {RULE_MIN_SAVING:.0%} worth "
+             "recomputing for)")
+    notices.warn(
+        f"checkpoints={checkpoints!r} {saves} on this graph: keeping its "
         f"{len(usable)} tensors, the memory model predicts a peak of {planned / MIB:.2f} MB "
         f"against plain tf.gradients' {plain / MIB:.2f} MB ({where}"
         f"{_why_speed_saves_nothing(region, usable)}). "
         "Using plain tf.gradients (no recomputation); "
         "checkpoints='memory' searches for a plan that does save.",
-        notices.NothingKeptWarning, stacklevel=3,
+        notices.NothingKeptWarning
     )
     return []
 

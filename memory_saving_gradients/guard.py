@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import heapq
 import logging
-import warnings
 from typing import Callable, Sequence
 
 from . import _tensorflow as _tf_internals
 from . import graph as graph_lib
+from . import notices, rewrite
 from . import ops as op_types
-from . import rewrite
 from ._tensorflow import tf
 from .notices import FallbackWarning
 
@@ -107,7 +106,7 @@ def _warn(reason: str) -> None:
         "(no memory saved for it); please report this with the model."
     )
     logger.warning("%s", message)
-    warnings.warn(message, FallbackWarning, stacklevel=5)
+    notices.warn(message, FallbackWarning)
 
 
 def find_difference(

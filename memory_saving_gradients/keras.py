@@ -1,6 +1,6 @@
 """Keras: ``model.fit`` with memory-saving gradients, for Keras 3 and tf_keras models.
 
-Layer: entry points; imports: notices, reporting, tape, tape_hooks, _tensorflow,
+Layer: entry points; imports: batch, notices, reporting, tape, tape_hooks, _tensorflow,
 checkpointing (when called) (planning for type hints only).
 
 ``enable(model, checkpoints='memory', **options)`` wraps the model's own
@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import logging
 import sys
-import warnings
 from typing import TYPE_CHECKING, Any, Sequence, Union
 
 from . import _tensorflow as _tf_internals
+from . import batch as batch_lib
 from . import notices, reporting, tape_hooks
 from . import tape as tape_lib
 from ._tensorflow import tf
@@ -136,12 +136,12 @@ def _warn_eager(model, record: reporting.Record) -> None:
     if record.warned:
         return
     record.warned = True
-    warnings.warn(
+    notices.warn(
         f"Keras model {model.name!r} runs its train step eagerly (compiled with "
         "run_eagerly=True): nothing can be recomputed in eager mode, so it trains with "
         "plain gradients (no memory saved). Compile it with run_eagerly=False to save "
         "memory.",
-        notices.EagerExecutionWarning, stacklevel=3,
+        notices.EagerExecutionWarning
     )
 
 
@@ -233,6 +233,7 @@ def largest_batch(model: Model, memory: float | None = None, checkpoints: str | 
                          "being trained on is alive, so pass 1 or more.")
     if memory is None:
         memory = device_free_memory()
+    batch_lib.checked_bytes(memory, "largest_batch: memory")
     plan = step_plan(model, checkpoints or "memory", input_spec)
     fixed = model_bytes(model)
     per_example = sum(_bytes_per_example(s) for s in _input_specs(model, input_spec))

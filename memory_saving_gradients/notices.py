@@ -11,6 +11,9 @@ tested (``pytest.warns``).  Diagnostics stay on the ``logging`` logger
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 
 class MemorySavingGradientsWarning(UserWarning):
     """Base category of every warning this library issues."""
@@ -33,3 +36,30 @@ class FallbackWarning(MemorySavingGradientsWarning):
     """A ``gradients()`` call used plain ``tf.gradients`` because the rewrite went wrong
     (its gradients' structure differed from ``tf.gradients``', or it failed inside):
     that call saves no memory, and its gradients are ``tf.gradients``' own."""
+
+
+#: Top-level modules whose frames :func:`warn` skips: this library, the frameworks that
+#: call it while they trace a step, and contextlib (a ``with patched():`` block ends there).
+_SKIPPED_MODULES = frozenset({__name__.split(".")[0], "tensorflow", "keras", "tf_keras",
+                              "contextlib"})
+#: How the files of the functions TensorFlow's autograph converts are named.
+_AUTOGRAPH_FILE = "__autograph_generated"
+
+
+def _skipped(frame) -> bool:
+    name = frame.f_globals.get("__name__") or ""
+    return (name.split(".")[0] in _SKIPPED_MODULES
+            or _AUTOGRAPH_FILE in frame.f_code.co_filename)
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """``warnings.warn(message, category)`` reported at the user's own line: the first
+    frame outside this library, TensorFlow and Keras (the ``fit``, the call that traces
+    a step, the end of a ``with patched():`` block), so that Python's
+    once-per-location filter tells one call site from another."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and _skipped(frame):
+        frame, level = frame.f_back, level + 1
+    if frame is None:
+        level = 2
+    warnings.warn(message, category, stacklevel=level)

@@ -214,6 +214,7 @@ class Patch:
         self.tape = tape
         self._tape_token = None
         self.record = reporting.Record()
+        self.record.tapes = tape
         self.replacements = {
             "v1": make_gradients_v1(checkpoints, self.record, **options),
             "v2": make_gradients_v2(checkpoints, self.record, **options),
@@ -328,6 +329,8 @@ def patch(checkpoints: PatchCheckpoints = "memory", tape: bool = True, **options
     handle = Patch(checkpoints, options, tape)
     with _lock:
         handle._apply()
+        for outer in _active:  # this one rewrites in their place while it is active
+            outer.record.nested.append(handle.record)
         _active.append(handle)
     logger.debug("memory_saving_gradients: patch(%r) applied", checkpoints)
     return handle

@@ -1,6 +1,6 @@
 """``plan()``: what ``gradients()`` would keep and what it would cost, without changing the graph.
 
-Layer: analysis (read-only); imports: batch, graph, schedule, simulate, _gc (_tensorflow
+Layer: analysis (read-only); imports: batch, graph, notices, schedule, simulate, _gc (_tensorflow
 for type hints only).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Sequence
 
-from . import _gc, simulate
+from . import _gc, notices, simulate
 from . import batch as batch_lib
 from . import graph as graph_lib
 from . import schedule as schedule_lib
@@ -90,7 +90,9 @@ class Plan:
     def peak_at(self, batch: int, plain: bool = False) -> int:
         """Predicted peak bytes when the graph is fed at ``batch`` (every unknown
         dimension counted as ``batch``): of this plan, or of plain ``tf.gradients``
-        (``plain=True``).  On a graph without unknown dimensions, the same at every batch."""
+        (``plain=True``).  On a graph without unknown dimensions, the same at every batch.
+        ValueError unless ``batch`` is a positive integer."""
+        batch_lib.checked_batch(batch)
         if self._model is None:
             return self.baseline_peak_bytes if plain else self.predicted_peak_bytes
         return self._model.peak_at(batch, plain)
@@ -106,16 +108,29 @@ class Plan:
         are added to it: what the step needs besides the allocations the model
         counts (e.g. weights and optimizer slots allocated before the step, the
         input batch).  Raises ValueError on a graph whose batch is fixed (no
-        unknown dimension).
+        unknown dimension), and on a memory that is not a positive number of bytes.
+        The search stops at ``batch.BATCH_LIMIT`` (2**24), and warns where that fits.
         """
+        memory_bytes = batch_lib.checked_bytes(memory_bytes, "memory_bytes")
+        batch_lib.checked_bytes(fixed_bytes, "fixed_bytes", positive=False)
+        batch_lib.checked_bytes(per_example_bytes, "per_example_bytes", positive=False)
+        if headroom is not None and (not isinstance(headroom, (int, float)) or headroom < 0):
+            raise ValueError(f"headroom must be a fraction of at least 0; got {headroom!r}.")
         if self._model is None or self.batch is None:
             raise ValueError(
                 "largest_batch needs a graph whose batch dimension is unknown (None) when "
                 "traced: this graph's shapes are fully known, so its peak does not depend "
                 "on a batch. Trace the step with a [None, ...] input."
             )
-        return self._model.largest_batch(memory_bytes, plain, fixed_bytes, per_example_bytes,
-                                         headroom)
+        found = self._model.largest_batch(memory_bytes, plain, fixed_bytes, per_example_bytes,
+                                          headroom)
+        if found >= batch_lib.BATCH_LIMIT:
+            notices.warn(
+                f"largest_batch: every batch up to {batch_lib.BATCH_LIMIT}, the largest it "
+                f"considers, fits {memory_bytes / MIB:.0f} MB; the answer is that limit, not "
+                "the largest batch that fits. Check the memory you passed is in bytes.",
+                notices.MemorySavingGradientsWarning)
+        return found
 
     @property
     def predicted_ratio(self) -> float:
@@ -159,14 +174,16 @@ def make_plan(
     checkpoints: Sequence[tf.Tensor], strategy: str, unknown_dim: int = 1,
     onednn: bool = True, gpu: bool = False, batch_known: bool = True, batch_note: tuple = (),
     stops: Sequence[tf.Tensor] = (), schedule: schedule_lib.Schedule | None = None,
+    batch_stated: bool = False,
 ) -> Plan:
     """Predict both peaks for a chosen set of checkpoints (pure: nothing is built);
     unknown dimensions count as ``unknown_dim``; ``onednn`` and ``gpu`` describe
     the machine (see :func:`simulate.workspace_note`).  ``batch_known``: the graph
     has no unknown dimension; ``batch_note``: how the batch was chosen, for
     ``assumptions``; ``stops``: the ``stop_gradients``; ``schedule``: the backward
-    schedule of these checkpoints and stops, when already worked out."""
-    sizer = simulate.Sizer(unknown_dim)
+    schedule of these checkpoints and stops, when already worked out; ``batch_stated``:
+    ``unknown_dim`` is the ``batch_size=`` the caller passed."""
+    sizer = simulate.Sizer(unknown_dim, stated=batch_stated)
     baseline, in_step_baseline = (
         simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, sizer)
         for fetched in (True, False))

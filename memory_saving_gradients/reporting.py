@@ -19,7 +19,6 @@ import collections
 import contextlib
 import logging
 import threading
-import warnings
 from typing import TYPE_CHECKING, Iterator
 
 from . import notices, recovery
@@ -46,6 +45,10 @@ class Record:
       plain: why other tape gradients were left to TensorFlow, with counts.
       traced: the graphs rewritten under each name, in order (TensorFlow may
         trace one function more than once, e.g. tf_keras' ``train_function``).
+      tapes: whether its entry point rewrites tape gradients (``patch(tape=False)``
+        replaces only the ``gradients`` names).
+      nested: the records of patches applied while this one was active: they rewrite
+        in its place.
     """
 
     def __init__(self, where: str | None = None):
@@ -57,6 +60,8 @@ class Record:
         self.plain: collections.Counter = collections.Counter()
         self.warned = False
         self.traced: dict[str, list[int]] = collections.defaultdict(list)
+        self.tapes = True
+        self.nested: list[Record] = []
 
 
 _local = threading.local()
@@ -173,6 +178,12 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
     if record.plans or record.warned:
         return
     record.warned = True
+    by_nested = sum(len(inner.plans) for inner in record.nested)
+    if by_nested:
+        logger.info("%s rewrote nothing itself: patches applied inside it rewrote %d "
+                    "backward pass(es) in its place (their handles' plans list them).",
+                    what, by_nested)
+        return
     if record.eager:
         category = notices.EagerExecutionWarning
         cause = (
@@ -191,6 +202,15 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
         reasons = "; ".join(f"{n}x {reason}" for reason, n in record.plain.most_common())
         cause = (f"every tape gradient built while it was active was left to TensorFlow "
                  f"({reasons}): those are computed by plain TensorFlow, as documented")
+    elif not record.tapes:
+        category = notices.NothingRewrittenWarning
+        cause = (
+            "no tf.gradients call was traced while it was active, and with tape=False "
+            "tf.GradientTape.gradient (Keras fit, most TF2 training steps) stays "
+            "TensorFlow's own: pass tape=True (the default) to rewrite tapes too. A step "
+            "that calls tf.gradients may also have been traced before the patch (a "
+            "tf.function called earlier reuses its graph)"
+        )
     else:
         category = notices.NothingRewrittenWarning
         cause = (
@@ -209,4 +229,4 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
     if record.plain and (record.eager or record.calls):
         reasons = "; ".join(f"{n}x {reason}" for reason, n in record.plain.most_common())
         cause += f". Tape gradients left to TensorFlow: {reasons}"
-    warnings.warn(f"{what} rewrote nothing: {cause}.", category, stacklevel=3)
+    notices.warn(f"{what} rewrote nothing: {cause}.", category)

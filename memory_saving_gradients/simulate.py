@@ -89,8 +89,9 @@ class Sizer:
     One Sizer can serve several predictions over the same graph.
     """
 
-    def __init__(self, unknown_dim: int = 1):
+    def __init__(self, unknown_dim: int = 1, stated: bool = False):
         self.unknown_dim = unknown_dim
+        self.stated = stated  # unknown_dim is the batch_size= the caller passed
         self.assumed: set = set()
         self._bytes: dict = {}
         self._shapes: dict = {}
@@ -225,11 +226,12 @@ class Sizer:
         if not self.assumed:
             return notes
         names = sorted(self.assumed)
+        counted = (f"{self.unknown_dim}, the batch_size= passed" if self.stated
+                   else str(self.unknown_dim))
+        advice = "" if self.stated else "; pass batch_size= to state the size you feed"
         return (
             f"{len(names)} {'tensor has' if len(names) == 1 else 'tensors have'} unknown "
-            "dimensions, counted as "
-            f"{self.unknown_dim} (e.g. {', '.join(names[:3])}); pass batch_size= "
-            "to state the size you feed",
+            f"dimensions, counted as {counted} (e.g. {', '.join(names[:3])}){advice}",
         ) + notes
 
 

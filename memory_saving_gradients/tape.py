@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import warnings
 from typing import Any, Callable
 
 from . import _tensorflow as _tf_internals
@@ -91,6 +90,8 @@ class _Recording:
         self.ranges: list = []  # [first op id, last op id], per span
         self.open_from = None  # first op id of the span being recorded
         self.watched: dict = {}  # tensor.ref() -> tensor
+        # the placeholders of captured eager sources that were never watched: no gradient
+        self.unwatched_captures: set = set()
 
     def open(self) -> None:
         self.open_from = graph_lib.last_op_id(self.graph) + 1
@@ -187,14 +188,19 @@ def checkpointed_gradient(
         )
     flat_targets = tf.nest.flatten(target)
     flat_sources = tf.nest.flatten(sources)
-    if not _rewritable(flat_targets + flat_sources):
+    recording = _recording(tape)
+    flat_sources = [_in_graph(s, recording) for s in flat_sources]
+    why_not = _why_not_rewritable(flat_targets + flat_sources)
+    if why_not is not None:
+        logger.warning("memory_saving_gradients: %s; using tf.GradientTape's own gradient "
+                       "(no memory saved).", why_not)
+        reporting.left_plain(config.record, why_not)
         return plain()
     if _tf_internals.tape_is_used_up(tape):
         raise RuntimeError(
             "A non-persistent GradientTape can only be used to compute one set "
             "of gradients (or jacobians)"
         )
-    recording = _recording(tape)
     ys = [_as_target(t) for t in flat_targets]
     graph = ys[0].graph
     if graph is not recording.graph:
@@ -242,17 +248,22 @@ def _source_gradients(config: Config, ys: list, grad_ys, flat_sources: list,
 def _stays_plain(tape, config: Config) -> bool:
     """Whether this gradient call must be the tape's own (eager, jacobian, inside the
     library, a tape older than the patch); says so where the user should hear it."""
+    if tf.executing_eagerly() and _tf_internals.running_in_py_function():
+        # TensorFlow's own eager tape (a py_function's gradient), or the user's inside
+        # a py_function: eager by design, nothing to rewrite, nothing to advise
+        reporting.left_plain(config.record, "eager inside a tf.py_function")
+        return True
     if tf.executing_eagerly():
         reporting.ran_eagerly(config.record)
         if not _eager_warned.is_set():
             _eager_warned.set()
-            warnings.warn(
+            notices.warn(
                 "memory_saving_gradients: GradientTape.gradient ran eagerly (outside a "
                 "tf.function, or in a Keras model compiled with run_eagerly=True): "
                 "nothing can be recomputed in eager mode, so these are plain "
                 "tf.GradientTape gradients (no memory saved). Call it inside a "
                 "tf.function (Keras: run_eagerly=False) to save memory. (Warned once.)",
-                notices.EagerExecutionWarning, stacklevel=4,
+                notices.EagerExecutionWarning
             )
         return True
     reason = _plain_reason(tape)
@@ -264,28 +275,40 @@ def _stays_plain(tape, config: Config) -> bool:
     return False
 
 
-def _rewritable(values: list) -> bool:
-    """Whether every target and source is a graph tensor or a variable (else the tape's
-    own gradient is used, with a warning)."""
+def _in_graph(source, recording: _Recording):
+    """``source``, or where it is an eager tensor that the traced function reads (a
+    tensor made outside the ``tf.function`` and captured by it), the placeholder the
+    function reads it through: its gradient is the eager tensor's, as the tape's
+    own capture record says.  A watched one stays watched."""
+    if (not isinstance(source, tf.Tensor) or tf.is_symbolic_tensor(source)
+            or source.dtype in (tf.resource, tf.variant)):
+        # a variable's handle: the tape matches it to the variable it captured, which
+        # the graph holds no op of to differentiate to
+        return source
+    internal = _tf_internals.captured_placeholder(recording.graph, source)
+    if internal is None:
+        return source
+    if source.ref() in recording.watched:
+        recording.watched[internal.ref()] = internal
+    else:
+        recording.unwatched_captures.add(internal.ref())
+    return internal
+
+
+def _why_not_rewritable(values: list) -> str | None:
+    """Why the tape's own gradient must be used, or None where every target and source
+    is a graph tensor or a variable."""
     unsupported = [t for t in values if not (isinstance(t, tf.Tensor) or is_variable(t))]
     if unsupported:
-        logger.warning(
-            "memory_saving_gradients: %s is not a dense tensor or variable; using "
-            "tf.GradientTape's own gradient (no memory saved).",
-            type(unsupported[0]).__name__,
-        )
-        return False
+        return (f"a target or source of GradientTape.gradient is a "
+                f"{type(unsupported[0]).__name__}, not a dense tensor or variable")
     eager = [t for t in values if isinstance(t, tf.Tensor) and not tf.is_symbolic_tensor(t)]
     if eager:
-        # e.g. the handle of a variable made outside the tf.function: the tape matches
-        # it to the capture it made; the graph holds no op of it to differentiate to
-        logger.warning(
-            "memory_saving_gradients: a target or source of GradientTape.gradient is an "
-            "eager tensor (%s), not a tensor of the graph being traced; using "
-            "tf.GradientTape's own gradient (no memory saved).", eager[0].dtype.name,
-        )
-        return False
-    return True
+        # e.g. an eager tensor the traced function never reads: the graph holds no op
+        # of it to differentiate to
+        return (f"a target or source of GradientTape.gradient is an eager tensor "
+                f"({eager[0].dtype.name}) that the traced function does not read")
+    return None
 
 
 def _end_recording(tape, recording: _Recording) -> set:
@@ -314,6 +337,8 @@ def _recorded_sources(flat_sources: list, recording: _Recording, watched: set) -
             if _handle_key(s) in watched:
                 connected.append(i)
                 xs.append(s)
+        elif s.ref() in recording.unwatched_captures:
+            continue
         elif recording.recorded(s.op) or s.ref() in recording.watched:
             connected.append(i)
             xs.append(s)

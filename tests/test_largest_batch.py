@@ -144,6 +144,26 @@ def test_a_graph_of_known_shapes_has_one_peak(graph):
         the_plan.largest_batch(64 * MB)
 
 
+def test_bad_batches_and_memories_are_clear_errors(graph):
+    """A batch is a positive integer and a memory a positive number of bytes: anything
+    else raises and says what was wrong (a float batch gave a figure, a negative memory
+    a batch of 0); where every batch up to the search's limit fits, it warns."""
+    loss, xs, _ = _build("mlp", 8, False)
+    the_plan = msg.plan(loss, xs)
+    for batch in (0, -3, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="batch must be a positive integer"):
+            the_plan.peak_at(batch)
+    assert the_plan.peak_at(np.int64(64)) == the_plan.peak_at(64)
+    for memory in (-1, 0, float("nan"), float("inf"), "1GB"):
+        with pytest.raises(ValueError, match="memory_bytes must be a positive"):
+            the_plan.largest_batch(memory)
+    with pytest.raises(ValueError, match="per_example_bytes"):
+        the_plan.largest_batch(64 * MB, per_example_bytes=-1)
+    with pytest.warns(msg.MemorySavingGradientsWarning, match="in bytes"):
+        assert the_plan.largest_batch(1e30) == batch_lib.BATCH_LIMIT
+    assert 0 < the_plan.largest_batch(256 * MB) < batch_lib.BATCH_LIMIT
+
+
 def test_largest_fitting_is_exact():
     for fixed, per, memory in [(10, 3, 1000), (0, 1, 2**20), (5, 7, 4), (100, 0.5, 101)]:
         found = batch_lib.largest_fitting(lambda b: fixed + per * b + (b // 100) ** 2, memory)

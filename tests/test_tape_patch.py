@@ -111,6 +111,88 @@ def test_tape_false_leaves_tapes_alone_and_patches_tf_gradients(weights, x):
         assert _recomputes(body.get_concrete_function(x).graph) == 0
 
 
+def test_tape_false_says_tapes_stay_plain_not_traced_before(weights, x):
+    """A tape step under patch(tape=False) rewrote nothing because tapes are left alone:
+    the warning says so (and names the user's line), not that the step was traced early."""
+    with pytest.warns(msg.NothingRewrittenWarning) as warned:
+        with msg.patched("memory", tape=False):
+            @tf.function
+            def body(x):
+                with tf.GradientTape() as tape:
+                    loss = _forward(weights, x)
+                return tape.gradient(loss, weights)
+            body(x)
+    said = [w for w in warned if w.category is msg.NothingRewrittenWarning]
+    assert len(said) == 1 and "tape=False" in str(said[0].message), str(said[0].message)
+    assert said[0].filename == __file__, said[0].filename
+
+
+def test_nested_patches_the_inner_rewrites_and_the_outer_does_not_warn(weights, x):
+    """With patched('balanced') inside patched('memory') the inner patch rewrites the step;
+    the outer one, displaced, has no plan of its own and no 'traced before' warning."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with msg.patched("memory") as outer:
+            with msg.patched("balanced") as inner:
+                @tf.function
+                def body(x):
+                    with tf.GradientTape() as tape:
+                        loss = _forward(weights, x)
+                    return tape.gradient(loss, weights)
+                body(x)
+    assert len(inner.plans) == 1 and not outer.plans
+    assert not [w for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)], [
+        str(w.message) for w in caught]
+
+
+def test_an_eager_tensor_the_step_captures_is_a_source(weights, x):
+    """An eager tensor made outside the tf.function and watched inside it (a gradient
+    penalty on a captured batch) is differentiated through the placeholder that captured
+    it: the step is rewritten, with the tape's gradients; unwatched, it gets None as
+    from the tape."""
+    captured, other = x, tf.random.stateless_normal([512, 32], seed=[7, 8])
+
+    def body(watch_other):
+        with tf.GradientTape() as tape:
+            tape.watch(captured)
+            if watch_other:
+                tape.watch(other)
+            loss = _forward(weights, captured + other)
+        return tape.gradient(loss, [captured, other] + weights)
+
+    for watch_other in (False, True):
+        want, got, graph = _both(lambda: body(watch_other))
+        assert (got[1] is None) == (not watch_other) == (want[1] is None)
+        _close(got, want)
+        assert _recomputes(graph) > 0
+
+
+def test_py_function_eager_tapes_are_not_called_eager_steps(weights, x):
+    """A tf.py_function in a traced step is differentiated by TensorFlow with an eager
+    tape of its own: that is neither an EagerExecutionWarning nor a hint to use tf.function."""
+    tape_lib._eager_warned.clear()
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for w in weights[:4]:
+                h = tf.py_function(lambda a: a * 1.5, [tf.tanh(tf.matmul(h, w))], tf.float32)
+                h.set_shape([512, 32])
+            loss = _forward(weights[4:], h)
+        return tape.gradient(loss, weights)
+
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want, got, _ = _both(body, x)
+    _close(got, want)
+    assert not [w for w in caught if issubclass(w.category, msg.EagerExecutionWarning)], [
+        str(w.message) for w in caught]
+
+
 def test_persistent_tape_two_gradients_and_output_gradients(weights, x):
     def body(x):
         with tf.GradientTape(persistent=True) as tape:

@@ -86,7 +86,9 @@ def test_plan_states_what_it_assumed(graph):
     assert f"counted as {checkpointing.DEFAULT_BATCH_SIZE}" in assumed
     assert "batch_size=" in assumed
     stated = msg.plan(loss, xs, batch_size=64)
-    assert "counted as 64" in " ".join(stated.assumptions)
+    said = " ".join(stated.assumptions)
+    # it says the size it was told, and does not ask for it again
+    assert "counted as 64, the batch_size= passed" in said and "pass batch_size=" not in said, said
     # activations scale with the batch, weights do not
     assert stated.baseline_peak_bytes > 1.5 * the_plan.baseline_peak_bytes
 
