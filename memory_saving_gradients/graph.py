@@ -221,7 +221,9 @@ class LoopAccumulators:
     recurrent layer's output sequence) whose shape is not static: each iteration of the
     loop's gradient writes a new zeros tensor of that item's size into the list's
     gradient (``zeros_like`` of a static shape is one constant), and they stay there
-    until the gradient loop ends.
+    until the gradient loop ends; only items whose buffer the loop also carries into a
+    loop variable its gradient reads (elsewhere ``zeros_like`` writes into the popped
+    buffer, which nothing else holds).
     """
 
     per_step: tuple
@@ -245,15 +247,22 @@ def loop_accumulators(op: tf.Operation) -> LoopAccumulators | None:
             if (t.dtype not in (tf.resource, tf.variant) and t.ref() not in invariant
                     and t.op.type not in op_types.ALIASES):
                 read.setdefault(t.ref(), t)
+    # buffers the next iteration's gradient reads again, as a loop variable
+    carried_read = {_buffer_root(carried).ref()
+                    for value, carried in zip(body.inputs, body.outputs) if value.ref() in read}
     for value, carried in zip(body.inputs, body.outputs):
         # a loop variable holds the buffer the iteration before made: a list of both
         # holds each buffer once
         if value.ref() in read and _buffer_root(carried).ref() in read:
             del read[value.ref()]
     item = op_types.GRADIENT_ZEROS_LIKE_INPUT["TensorListSetItem"]
+    # zeros_like of a popped item whose buffer nothing else holds writes into that
+    # buffer (TensorFlow forwards it): only an item the loop also carries into a read
+    # loop variable (an RNN's output, its next state) makes new zeros
     zeros = tuple(body_op.inputs[item] for body_op in body.get_operations()
                   if body_op.type == "TensorListSetItem" and len(body_op.inputs) > item
-                  and not body_op.inputs[item].shape.is_fully_defined())
+                  and not body_op.inputs[item].shape.is_fully_defined()
+                  and _buffer_root(body_op.inputs[item]).ref() in carried_read)
     return LoopAccumulators(tuple(sorted(read.values(), key=lambda t: t.name)),
                             _trip_count(op), zeros)
 
