@@ -111,17 +111,22 @@ def test_tape_false_leaves_tapes_alone_and_patches_tf_gradients(weights, x):
         assert _recomputes(body.get_concrete_function(x).graph) == 0
 
 
+def _tape_step(weights):
+    """A new tf.function of a tape step over ``weights`` (traced at its first call)."""
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = _forward(weights, x)
+        return tape.gradient(loss, weights)
+    return step
+
+
 def test_tape_false_says_tapes_stay_plain_not_traced_before(weights, x):
     """A tape step under patch(tape=False) rewrote nothing because tapes are left alone:
     the warning says so (and names the user's line), not that the step was traced early."""
     with pytest.warns(msg.NothingRewrittenWarning) as warned:
         with msg.patched("memory", tape=False):
-            @tf.function
-            def body(x):
-                with tf.GradientTape() as tape:
-                    loss = _forward(weights, x)
-                return tape.gradient(loss, weights)
-            body(x)
+            _tape_step(weights)(x)
     said = [w for w in warned if w.category is msg.NothingRewrittenWarning]
     assert len(said) == 1 and "tape=False" in str(said[0].message), str(said[0].message)
     assert said[0].filename == __file__, said[0].filename
@@ -136,12 +141,7 @@ def test_nested_patches_the_inner_rewrites_and_the_outer_does_not_warn(weights, 
         warnings.simplefilter("always")
         with msg.patched("memory") as outer:
             with msg.patched("balanced") as inner:
-                @tf.function
-                def body(x):
-                    with tf.GradientTape() as tape:
-                        loss = _forward(weights, x)
-                    return tape.gradient(loss, weights)
-                body(x)
+                _tape_step(weights)(x)
     assert len(inner.plans) == 1 and not outer.plans
     assert not [w for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)], [
         str(w.message) for w in caught]
