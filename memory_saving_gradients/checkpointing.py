@@ -401,7 +401,7 @@ def _prepare(ys, xs) -> _Problem:
     graph = ys_list[0].graph
     with graph.as_default():
         xs_tensors = _x_tensors(_as_list(xs), graph)
-        _check_same_graph(ys_list + xs_tensors, graph, "ys and xs")
+        _check_same_graph(ys_list + xs_tensors, graph, "ys and xs", ys_list)
         region = graph_lib.forward_region(ys_list, xs_tensors)
     return _Problem(graph, ys_list, xs_tensors, region)
 
@@ -479,7 +479,7 @@ def choose_checkpoints(
             len(nested), [t.name for t in nested][:5],
         )
     outer = [t for t in given if not graph_lib.in_function_body_of(t, graph)]
-    _check_same_graph(outer, graph, "checkpoints")
+    _check_same_graph(outer, graph, "checkpoints", ys)
     if not region.ops:
         return None  # no op between xs and ys (ys do not depend on xs): as tf.gradients
     usable = usable_checkpoints(outer, ys, xs, region)
@@ -1130,12 +1130,20 @@ def _describe(value) -> str:
     return f"{kind} {text[:60] + '...' if len(text) > 60 else text}"
 
 
-def _check_same_graph(tensors, graph, what: str) -> None:
+def _check_same_graph(tensors, graph, what: str, ys: Sequence[tf.Tensor] = ()) -> None:
+    """ValueError naming the first of ``tensors`` that is not in ``graph``, ys' graph (and,
+    with ``ys``, the first of ys, so that either side of the mistake is named)."""
     for t in tensors:
         if getattr(t, "graph", None) is not graph:
+            name = getattr(t, "name", t)
+            first_y = ""
+            if ys:
+                same = " (another tensor of that name)" if ys[0].name == name else ""
+                first_y = f", the graph of ys[0] {ys[0].name!r}{same}"
             raise ValueError(
-                f"{what}: tensor {getattr(t, 'name', t)!r} belongs to another graph than "
-                "ys. Pass tensors built in the graph being differentiated."
+                f"{what}: tensor {name!r} belongs to another graph than ys{first_y}. "
+                "Every tensor must come from the graph being differentiated: build ys, xs "
+                "and checkpoints under the same graph."
             )
 
 

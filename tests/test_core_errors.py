@@ -140,6 +140,17 @@ def test_xs_from_another_graph(model, unchanged):
 
 
 @pytest.mark.unit
+def test_ys_from_another_graph_names_both_sides(model, unchanged):
+    """ys from another graph than xs: the message names the x and ys[0], so that either
+    side of the mistake can be found (it named only the x, as if the x were wrong)."""
+    other = tf.Graph()
+    with other.as_default():
+        foreign = tf.reduce_sum(tf.tanh(tf.constant([1.0])), name="foreign_loss")
+    text = call_fails(ValueError, ["another graph", "foreign_loss"], foreign, model.inputs)
+    assert model.inputs[0].name in text, text
+
+
+@pytest.mark.unit
 def test_grad_ys_length_mismatch(model, unchanged):
     call_fails(ValueError, ["grad_ys", "ys"], model.loss, model.inputs,
                grad_ys=[None, None],
