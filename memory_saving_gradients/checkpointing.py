@@ -921,7 +921,7 @@ class _BackwardPass:
             return
         held = sum(
             graph_lib.tensor_bytes(t, self._request.unknown_dim)
-            for op in early if op.type not in simulate.ALIAS_OP_TYPES for t in op.outputs
+            for op in early if not graph_lib.shares_input_buffer(op) for t in op.outputs
         )
         if held > self._order.headroom.get(index, 0) + self._order.tolerance:
             rewrite.add_control_inputs(entries, sinks)

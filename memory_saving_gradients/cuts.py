@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from typing import TYPE_CHECKING, Callable, Collection, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from .graph import ForwardRegion, NeedsGradient, gradient_reads, gradient_reads_output_of, tensor_order
 
@@ -81,7 +81,8 @@ class _LiveSet(NamedTuple):
 
 
 def live_cuts(region: ForwardRegion, size: Callable[[tf.Tensor], int],
-              cost: Callable[[tf.Operation], float], alias_types: Collection[str] = frozenset(),
+              cost: Callable[[tf.Operation], float],
+              aliases: Callable[[tf.Operation], bool] = lambda op: False,
               max_cuts: int = 300, needs_gradient: NeedsGradient = lambda tensor: True) -> Cuts:
     """The cuts of the region, in one sweep over its ops (linear in ops + edges).
 
@@ -89,15 +90,15 @@ def live_cuts(region: ForwardRegion, size: Callable[[tf.Tensor], int],
     their own (variable reads, aliases) give one cut; when there are
     more than ``max_cuts``, the cheapest cut of each of ``max_cuts`` equal
     stretches of the order is kept.  ``size(t)`` and ``cost(op)`` give bytes
-    and work; outputs of ``alias_types`` ops share their input's buffer and
+    and work; outputs of ops for which ``aliases(op)`` share their input's buffer and
     cost nothing of their own.  ``needs_gradient(tensor)``: whether an input's
     gradient is wanted (see :func:`graph.gradient_reads`).
     """
     order = region.order
     position = {op: i for i, op in enumerate(order)}
-    end_of = _last_reads(order, position, alias_types)
+    end_of = _last_reads(order, position, aliases)
     first_read = _first_reads(order, position, needs_gradient)
-    table = _op_table(order, position, size, cost, alias_types, end_of, first_read)
+    table = _op_table(order, position, size, cost, aliases, end_of, first_read)
     live_sets = _thinned(_live_sets(len(order), table, end_of), max_cuts)
     positions = tuple(c.position for c in live_sets)
     tensors = tuple(tuple(sorted(c.tensors, key=tensor_order)) for c in live_sets)
@@ -110,7 +111,7 @@ def live_cuts(region: ForwardRegion, size: Callable[[tf.Tensor], int],
                 tuple(table.held_prefix))
 
 
-def _last_reads(order, position, alias_types) -> dict:
+def _last_reads(order, position, aliases) -> dict:
     """Per output (by ref): the last position that reads it, or reads an alias of it
     (its own position if none does).  One reverse sweep."""
     end_of: dict = {}
@@ -120,13 +121,13 @@ def _last_reads(order, position, alias_types) -> dict:
             end = max(ends, default=position[op])
             end = max(end, end_of.get(t.ref(), end))
             end_of[t.ref()] = end
-            if op.type in alias_types and op.inputs and op.inputs[0].op in position:
+            if aliases(op) and op.inputs and op.inputs[0].op in position:
                 source = op.inputs[0].ref()
                 end_of[source] = max(end_of.get(source, 0), end)
     return end_of
 
 
-def _op_table(order, position, size, cost, alias_types, end_of, first_read) -> _OpTable:
+def _op_table(order, position, size, cost, aliases, end_of, first_read) -> _OpTable:
     """Bytes, work and prefix sums per op; ops whose copy never runs
     (``first_read`` inf) stay out of the prefix sums."""
     table = _OpTable({}, {}, [], [], [], [], [], [], [])
@@ -135,7 +136,7 @@ def _op_table(order, position, size, cost, alias_types, end_of, first_read) -> _
         own = held = big = 0
         read = _outputs_gradients_read(op, position)
         for t in op.outputs:
-            nbytes = 0 if op.type in alias_types else size(t)
+            nbytes = 0 if aliases(op) else size(t)
             table.own_bytes[t.ref()] = nbytes
             own += nbytes
             if t.ref() in read:

@@ -45,17 +45,34 @@ def last_op_id(graph: tf.Graph) -> int:
 
 
 def forwards_its_input(op: tf.Operation) -> bool:
-    """Whether ``op``'s output is its first input's value unchanged (an identity, or a
-    reshape to the same static shape): grappler may remove it and let its consumers
-    read the input."""
+    """Whether ``op``'s output is its first input's value unchanged (an identity, a
+    reshape to the same static shape, a transpose by the identity permutation):
+    grappler may remove it and let its consumers read the input."""
     if not op.inputs or len(op.outputs) != 1:
         return False
-    if op.type in op_types.VALUE_FORWARDING:
+    if op.type in op_types.VALUE_FORWARDING or is_identity_transpose(op):
         return True
     if op.type in op_types.SAME_ELEMENTS:
         before, after = op.inputs[0].shape, op.outputs[0].shape
         return before.is_fully_defined() and after.is_fully_defined() and before == after
     return False
+
+
+def is_identity_transpose(op: tf.Operation) -> bool:
+    """Whether ``op`` transposes by the identity permutation (known once its constant
+    inputs fold): grappler removes it.  ``tf.tensordot`` makes one where the batch is
+    unknown (a Keras 3 ``Dense`` on a ``[batch, seq, d]`` input)."""
+    if op.type not in op_types.TRANSPOSES or len(op.inputs) < 2:
+        return False
+    perm = tf.get_static_value(op.inputs[1])
+    return perm is not None and perm.ndim == 1 and list(perm) == list(range(len(perm)))
+
+
+def shares_input_buffer(op: tf.Operation) -> bool:
+    """Whether ``op``'s output holds its first input's buffer, allocating nothing: the
+    types of :data:`.ops.ALIASES` (identities, reshapes, variable reads, lists of
+    slices) and identity transposes (:func:`is_identity_transpose`)."""
+    return bool(op.inputs) and (op.type in op_types.ALIASES or is_identity_transpose(op))
 
 
 def reads_a_variable(t: tf.Tensor) -> bool:
@@ -245,7 +262,7 @@ def loop_accumulators(op: tf.Operation) -> LoopAccumulators | None:
         reads_in, reads_out = gradient_reads(body_op)
         for t in reads_in + reads_out:
             if (t.dtype not in (tf.resource, tf.variant) and t.ref() not in invariant
-                    and t.op.type not in op_types.ALIASES):
+                    and not shares_input_buffer(t.op)):
                 read.setdefault(t.ref(), t)
     # buffers the next iteration's gradient reads again, as a loop variable
     carried_read = {_buffer_root(carried).ref()
@@ -269,7 +286,7 @@ def loop_accumulators(op: tf.Operation) -> LoopAccumulators | None:
 
 def _buffer_root(tensor: tf.Tensor) -> tf.Tensor:
     """The tensor whose buffer ``tensor`` shares, through ops that forward their input's."""
-    while tensor.op.type in op_types.ALIASES and tensor.op.inputs:
+    while shares_input_buffer(tensor.op):
         tensor = tensor.op.inputs[0]
     return tensor
 

@@ -40,6 +40,9 @@ VALUE_FORWARDING = frozenset(
 #: Output holds exactly the first input's elements (a new shape, the same buffer);
 #: grappler removes them when the static shapes are equal.
 SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims"})
+#: Transposes: one by the identity permutation shares its input's buffer
+#: (:func:`.graph.is_identity_transpose`).
+TRANSPOSES = frozenset({"Transpose"})
 #: Reads of a resource variable's value.
 VARIABLE_READS = frozenset({"ReadVariableOp"})
 #: A TensorList made from a tensor: its elements are slices of that tensor's buffer,

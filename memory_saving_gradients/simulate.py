@@ -1,6 +1,6 @@
 """Static memory model: the predicted peak of a backward pass, before anything runs.
 
-Layer: analysis (read-only); imports: graph, ops, schedule, _tensorflow.
+Layer: analysis (read-only); imports: graph, ops, schedule, shape_values, timing, _tensorflow.
 
 The model replays the step as TensorFlow's executor would run it one op at a
 time: the forward pass in topological order, then (plain ``tf.gradients``)
@@ -32,7 +32,7 @@ import numpy as np
 from . import graph as graph_lib
 from . import ops as op_types
 from . import schedule as schedule_lib
-from . import timing
+from . import shape_values, timing
 from ._tensorflow import tf
 
 _T = TypeVar("_T")
@@ -77,6 +77,15 @@ class Prediction:
         return (plain + self.recompute_seconds) / plain if plain else 1.0
 
 
+#: Ops whose output dimensions are the value of one of their inputs (its index): a
+#: reshape's target, a fill's dimensions, a broadcast's shape.
+_SHAPE_INPUT = {"Reshape": 1, "Fill": 0, "BroadcastTo": 1}
+
+#: Matrix products, and the names of the attributes that transpose their two operands.
+_PRODUCTS = {"MatMul": ("transpose_a", "transpose_b"),
+             "BatchMatMul": ("adj_x", "adj_y"), "BatchMatMulV2": ("adj_x", "adj_y"),
+             "BatchMatMulV3": ("adj_x", "adj_y")}
+
 #: How many producers back :class:`Sizer` follows an unknown dimension (through ops
 #: that keep it, or keep the element count) before counting it as ``unknown_dim``:
 #: bounds the recursion along long chains of unknown shapes.
@@ -95,6 +104,7 @@ class Sizer:
         self.assumed: set = set()
         self._bytes: dict = {}
         self._shapes: dict = {}
+        self._values: dict = {}  # shape tensors' values (shape_values.evaluate)
         self._costs: dict = {}
         self._per_region: dict = {}  # (id(region), key) -> (region, value)
         self.loops_assumed: set = set()  # loops whose trip count is not static
@@ -140,6 +150,14 @@ class Sizer:
         op = tensor.op
         inputs = [t for t in op.inputs if t.dtype not in (tf.resource, tf.variant)]
         deep = depth > ESTIMATE_DEPTH  # a long chain of unknown shapes: stop looking back
+        if op.type in _SHAPE_INPUT and not deep:
+            target = self._target_shape(op, dims, depth)
+            if target is not None:
+                return target
+        if op.type in _PRODUCTS and len(inputs) == 2 and not deep:
+            product = self._product_shape(op, inputs, dims, depth)
+            if product is not None:
+                return product
         if op.type in _SAME_ELEMENTS_OP_TYPES and inputs and not deep:
             source = self.shape(inputs[0], depth + 1)
             if source is not None:
@@ -164,6 +182,48 @@ class Sizer:
                         estimated[i] = source[i]
                         break
         return estimated
+
+    def _product_shape(self, op: tf.Operation, inputs: list, dims: list,
+                       depth: int) -> list | None:
+        """A matrix product's last two output dimensions from its operands' (transposed
+        or adjoint where the op says: a weight's gradient ``a^T @ g`` has ``a``'s columns
+        as rows, not ``g``'s rows); the leading (batch) ones as for other ops."""
+        a, b = (self.shape(t, depth + 1) for t in inputs)
+        if a is None or b is None or len(a) < 2 or len(b) < 2 or len(dims) < 2:
+            return None
+        first, second = _PRODUCTS[op.type]
+        rows = a[-1] if op.get_attr(first) else a[-2]
+        cols = b[-2] if op.get_attr(second) else b[-1]
+        estimated = list(dims)
+        for i, d in enumerate(dims[:-2]):
+            if d is None:
+                source = a if len(a) == len(dims) else b
+                estimated[i] = source[i] if len(source) == len(dims) else self.unknown_dim
+        estimated[-2] = dims[-2] if dims[-2] is not None else rows
+        estimated[-1] = dims[-1] if dims[-1] is not None else cols
+        return estimated
+
+    def _target_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
+        """The output dimensions of an op that takes them from a shape tensor (a reshape's
+        target, a fill's dimensions), where that tensor's value follows from the
+        estimated shapes it is computed from (:mod:`.shape_values`); a reshape's -1 takes
+        what its input's elements leave over.  None where it cannot be worked out."""
+        value = shape_values.evaluate(
+            op.inputs[_SHAPE_INPUT[op.type]], lambda t: self.shape(t, depth + 1),
+            self._values, ESTIMATE_DEPTH - depth)
+        if not isinstance(value, list) or len(value) != len(dims):
+            return None
+        target = [int(d) for d in value]
+        if target.count(-1) == 1 and op.type == "Reshape":
+            source = self.shape(op.inputs[0], depth + 1)
+            if source is None:
+                return None
+            rest = int(np.prod([d for d in target if d != -1], dtype=np.float64)) or 1
+            target[target.index(-1)] = max(1, int(np.prod(source, dtype=np.float64)) // rest)
+        if any(d < 0 for d in target) or any(
+                known is not None and known != d for known, d in zip(dims, target)):
+            return None
+        return target
 
     def loop_bytes(self, op: tf.Operation) -> int:
         """Bytes a v2 while loop keeps for its gradient (:func:`graph.loop_accumulators`):
@@ -443,7 +503,7 @@ def _forward(timeline: _Timeline, region, size) -> int:
             # waiting for its incoming gradient: from the backward pass's start
             timeline.alloc(_loop_zeros_key(op), size.loop_gradient_bytes(op), end)
         for t in op.outputs:
-            if op.type in ALIAS_OP_TYPES and op.inputs:
+            if graph_lib.shares_input_buffer(op):
                 timeline.alias_of(t.ref(), op.inputs[0].ref())
                 if t.ref() not in timeline.alias:
                     timeline.alloc(t.ref(), 0, step)
@@ -763,7 +823,7 @@ class _Replay:
                 timeline.use(rename(t.ref()), self.step)
             for t in op.outputs:
                 key = (index, t.ref())
-                if op.type in ALIAS_OP_TYPES and op.inputs:
+                if graph_lib.shares_input_buffer(op):
                     timeline.alias_of(key, rename(op.inputs[0].ref()))
                     if key not in timeline.alias:
                         timeline.alloc(key, 0, self.step)

@@ -326,7 +326,7 @@ def memory_checkpoints(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region:
     """
     size = sizer or simulate.Sizer(unknown_dim)
     xs_refs = {x.ref() for x in xs}
-    cuts = cuts_lib.live_cuts(region, size, size.cost, simulate.ALIAS_OP_TYPES,
+    cuts = cuts_lib.live_cuts(region, size, size.cost, graph_lib.shares_input_buffer,
                               needs_gradient=lambda t: t.op in region or t.ref() in xs_refs)
     if not cuts.positions:
         return []

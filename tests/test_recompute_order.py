@@ -116,7 +116,7 @@ def test_free_gradients_wait_exactly_where_their_bytes_exceed_the_headroom(monke
         real(self, index, input_grads, copies, made_after)
         if entries:
             held = sum(graph_lib.tensor_bytes(t, 32) for op in early
-                       if op.type not in simulate.ALIAS_OP_TYPES for t in op.outputs)
+                       if not graph_lib.shares_input_buffer(op) for t in op.outputs)
             waits = all(set(sinks) <= set(op.control_inputs) for op in entries)
             seen.append((held, self._order.headroom.get(index, 0) + self._order.tolerance, waits))
 

@@ -1,0 +1,141 @@
+"""The values of small integer tensors that hold shapes, from estimated shapes.
+
+Layer: analysis (read-only, pure); imports: _tensorflow.
+
+A reshape whose target is computed while the step runs (``tf.tensordot``, and so
+a Keras 3 ``Dense`` on a ``[batch, seq, d]`` input, reshapes to
+``[prod(shape(x)[:-1]), d]``) has an output shape that TensorFlow's static shape
+inference leaves unknown, ``[None, None]``, although each dimension follows from
+the input's shape.  :func:`evaluate` works such a shape tensor out from the
+shapes the memory model estimates for the tensors it reads (``shape_of``): the
+ops that build shapes (``Shape``, ``Const``, ``GatherV2``, ``StridedSlice``,
+``Prod``, ``Pack``, ``ConcatV2``, integer arithmetic, ``Cast``) are evaluated on
+Python integers.  Anything else, or a chain longer than ``limit``, is None.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, Union
+
+from ._tensorflow import tf
+
+#: A shape tensor's value: an int (a scalar) or a list of ints (a vector).
+Value = Union[int, list]
+
+#: Integer ops evaluated elementwise (a scalar broadcast against a vector).
+_ARITHMETIC = {
+    "Mul": operator.mul,
+    "AddV2": operator.add,
+    "Add": operator.add,
+    "Sub": operator.sub,
+    "FloorDiv": operator.floordiv,
+    "Maximum": max,
+    "Minimum": min,
+}
+
+#: The ops that pass their input's value through.
+_PASS_THROUGH = frozenset({"Identity", "Cast", "Squeeze", "Reshape"})
+
+
+def evaluate(tensor: tf.Tensor, shape_of: Callable[[tf.Tensor], list | None],
+             cache: dict | None = None, limit: int = 32) -> Value | None:
+    """The value of the integer tensor ``tensor`` (a scalar or a vector), where it
+    follows from constants and from ``shape_of(t)``, the (estimated) dimensions of
+    the tensors whose ``Shape`` it reads; None where it does not."""
+    cache = {} if cache is None else cache
+    return _value(tensor, shape_of, cache, limit)
+
+
+def _value(tensor, shape_of, cache, depth) -> Value | None:
+    key = id(tensor)
+    found = cache.get(key)
+    if found is not None and found[0] is tensor:
+        return found[1]
+    value = None
+    if depth > 0 and tensor.dtype in (tf.int32, tf.int64):
+        try:
+            value = _computed(tensor, shape_of, cache, depth - 1)
+        except (TypeError, ValueError, IndexError, ZeroDivisionError):
+            value = None
+    cache[key] = (tensor, value)
+    return value
+
+
+def _computed(tensor, shape_of, cache, depth) -> Value | None:
+    static = tf.get_static_value(tensor)
+    if static is not None:
+        return static.tolist()
+    op = tensor.op
+
+    def value_of(i):
+        return _value(op.inputs[i], shape_of, cache, depth)
+
+    if op.type == "Shape":
+        dims = shape_of(op.inputs[0])
+        return None if dims is None or None in dims else [int(d) for d in dims]
+    if op.type == "Size":
+        dims = shape_of(op.inputs[0])
+        return None if dims is None or None in dims else _product(dims)
+    if op.type in _PASS_THROUGH:
+        return value_of(0)
+    if op.type == "GatherV2":
+        params, indices, axis = value_of(0), value_of(1), value_of(2)
+        if not isinstance(params, list) or axis not in (0, -1):
+            return None
+        if isinstance(indices, list):
+            return [params[i] for i in indices]
+        return params[indices] if isinstance(indices, int) else None
+    if op.type == "StridedSlice":
+        return _strided_slice(op, value_of(0), value_of(1), value_of(2), value_of(3))
+    if op.type in ("Prod", "Sum"):
+        values = value_of(0)
+        if isinstance(values, int):
+            return values
+        if not isinstance(values, list):
+            return None
+        return _product(values) if op.type == "Prod" else sum(values)
+    if op.type == "Pack":
+        parts = [value_of(i) for i in range(len(op.inputs))]
+        return parts if all(isinstance(p, int) for p in parts) else None
+    if op.type == "ConcatV2":
+        parts = [value_of(i) for i in range(len(op.inputs) - 1)]
+        if not all(isinstance(p, list) for p in parts):
+            return None
+        return [d for p in parts for d in p]
+    if op.type in _ARITHMETIC:
+        return _elementwise(_ARITHMETIC[op.type], value_of(0), value_of(1))
+    return None
+
+
+def _product(values) -> int:
+    result = 1
+    for v in values:
+        result *= int(v)
+    return result
+
+
+def _elementwise(function, a, b) -> Value | None:
+    if a is None or b is None:
+        return None
+    if isinstance(a, int) and isinstance(b, int):
+        return function(a, b)
+    if isinstance(a, int):
+        return [function(a, y) for y in b]
+    if isinstance(b, int):
+        return [function(x, b) for x in a]
+    return [function(x, y) for x, y in zip(a, b)] if len(a) == len(b) else None
+
+
+def _strided_slice(op, values, begin, end, strides) -> Value | None:
+    """``values[begin:end:stride]`` of a vector, with the op's masks (one axis only)."""
+    if not isinstance(values, list) or not all(
+            isinstance(v, list) and len(v) == 1 for v in (begin, end, strides)):
+        return None
+    if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
+        return None
+    start = None if op.get_attr("begin_mask") & 1 else begin[0]
+    stop = None if op.get_attr("end_mask") & 1 else end[0]
+    if op.get_attr("shrink_axis_mask") & 1:
+        return values[start]
+    return values[start:stop:strides[0]]

@@ -1,0 +1,72 @@
+"""shape_values.evaluate: the values of shape tensors, from estimated shapes.
+
+Graphs with an unknown batch, no session: each case builds the shape arithmetic a
+layer builds (``tf.tensordot``, ``tf.reshape(x, [-1, d])``, ``tf.shape(x)[0]``) and
+checks the value worked out from a stated shape of ``x``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+
+from memory_saving_gradients import graph as graph_lib
+from memory_saving_gradients import shape_values, simulate
+
+pytestmark = pytest.mark.unit
+
+
+def _with_batch(batch):
+    """A ``shape_of`` that counts each unknown dimension as ``batch``."""
+    def shape_of(t):
+        if t.shape.rank is None:
+            return None
+        return [batch if d is None else d for d in t.shape.as_list()]
+    return shape_of
+
+
+def test_shape_arithmetic_is_evaluated(graph):
+    x = tf.compat.v1.placeholder(tf.float32, [None, 16, 8])
+    shape = tf.shape(x)
+    cases = {
+        "batch": (shape[0], 5),
+        "rows": (tf.reduce_prod(shape[:-1]), 80),
+        "target": (tf.stack([tf.reduce_prod(tf.gather(shape, [0, 1])), shape[-1]]), [80, 8]),
+        "concat": (tf.concat([tf.gather(shape, [0, 1]), [32]], 0), [5, 16, 32]),
+        "arithmetic": (shape[0] * 2 + tf.size(x) // 40, 26),
+        "cast": (tf.cast(shape, tf.int64), [5, 16, 8]),
+    }
+    for name, (tensor, want) in cases.items():
+        assert shape_values.evaluate(tensor, _with_batch(5)) == want, name
+
+
+def test_what_cannot_be_worked_out_is_none(graph):
+    x = tf.compat.v1.placeholder(tf.float32, [None, 16])
+    n = tf.compat.v1.placeholder(tf.int32, [])
+    assert shape_values.evaluate(tf.stack([n, 16]), _with_batch(5)) is None
+    assert shape_values.evaluate(tf.shape(x), lambda t: None) is None
+    assert shape_values.evaluate(tf.shape(tf.shape(x)), _with_batch(5), limit=0) is None
+
+
+def test_the_sizer_follows_a_reshape_to_a_computed_target(graph):
+    x = tf.compat.v1.placeholder(tf.float32, [None, 16, 8])
+    shape = tf.shape(x)  # as tf.tensordot builds its target
+    rows = tf.reshape(x, tf.stack([tf.reduce_prod(tf.gather(shape, [0, 1])),
+                                   tf.reduce_prod(tf.gather(shape, [2]))]))
+    flat = tf.reshape(x, [-1, 4])
+    product = tf.matmul(rows, tf.ones([8, 3]))
+    weight_grad = tf.matmul(rows, product, transpose_a=True)
+    assert rows.shape.as_list() == [None, None]
+    size = simulate.Sizer(5)
+    assert size.shape(rows) == [80, 8]
+    assert size.shape(flat) == [160, 4]
+    assert size.shape(product) == [80, 3]
+    assert size.shape(weight_grad) == [8, 3]  # a^T @ g: a's columns, not g's rows
+
+
+def test_identity_transposes_share_their_input(graph):
+    x = tf.compat.v1.placeholder(tf.float32, [None, 4, 3])
+    same = tf.transpose(x, tf.concat([[0, 1], [2]], 0))
+    swapped = tf.transpose(x, [0, 2, 1])
+    assert graph_lib.shares_input_buffer(same.op) and graph_lib.forwards_its_input(same.op)
+    assert not graph_lib.shares_input_buffer(swapped.op)
