@@ -276,6 +276,19 @@ def original_gradient_function(op: tf.Operation):
     return _framework_ops.gradient_registry.lookup(op_type)
 
 
+def has_gradient_override(op: tf.Operation) -> bool:
+    """Whether ``op`` carries a ``_gradient_op_type`` (``gradient_override_map``, as
+    ``tf.custom_gradient`` sets on the op it makes)."""
+    types = getattr(_remembered, "types", None)
+    if types is not None and op in types:
+        return types[op] != op.type
+    try:
+        op.get_attr("_gradient_op_type")
+    except ValueError:
+        return False
+    return True
+
+
 def replace_gradient_function_lookup(lookup) -> None:
     """Make ``tf.gradients`` find gradient functions through ``lookup(op)`` (pass
     :data:`ORIGINAL_GRADIENT_FUNCTION_LOOKUP` to put TensorFlow's back)."""

@@ -183,12 +183,30 @@ def is_recomputable(op: tf.Operation) -> bool:
     return bool(op.inputs)
 
 
+def custom_gradient_arguments(op: tf.Operation) -> tuple | None:
+    """The inputs of a ``tf.custom_gradient`` function's op (graph mode: an ``IdentityN``
+    of its results, then its arguments, with a gradient override) that get a gradient:
+    its arguments.  Its gradient function is a Python closure that reads them as the
+    forward pass made them, also for a recomputed copy (``tf.nn.silu`` and swish are
+    such functions).  Its results get None, so the ops that computed them are not
+    differentiated.  None for any other op."""
+    if op.type != "IdentityN" or not _tf_internals.has_gradient_override(op):
+        return None
+    results = 0  # the leading outputs that are read: the function's results
+    while results < len(op.outputs) and op.outputs[results].consumers():
+        results += 1
+    return tuple(t for t in op.inputs[results:] if t.dtype != tf.resource)
+
+
 def gradient_reads(op: tf.Operation, needs_gradient: NeedsGradient = lambda tensor: True) -> tuple:
     """(inputs, outputs) of ``op`` that its gradient reads, by op type.
 
     ``needs_gradient(tensor)`` says whether an input's gradient is wanted;
     it decides what products read.
     """
+    arguments = custom_gradient_arguments(op)
+    if arguments is not None:
+        return arguments, ()
     reads = _gradient_reads_by_type(op, needs_gradient)
     index = op_types.GRADIENT_ZEROS_LIKE_INPUT.get(op.type)
     if index is not None and len(op.inputs) > index and not op.inputs[index].shape.is_fully_defined():

@@ -530,6 +530,10 @@ class _Gradients:
     def has(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self.pending
 
+    def has_any(self, refs) -> bool:
+        """Whether a gradient waits for any of the tensors with these ``ref()`` s."""
+        return any(ref in self.pending for ref in refs)
+
     def consume(self, refs, step: float) -> None:
         for ref in refs:
             for key in self.pending.pop(ref, ()):
@@ -559,17 +563,23 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
             return t.op in region or t.ref() in xs_refs
 
         reads_in, reads_out = graph_lib.gradient_reads(op, wanted)
+        arguments = graph_lib.custom_gradient_arguments(op)
+        differentiated = op.inputs if arguments is None else arguments
         found = (
             [t.ref() for t in list(reads_in) + list(reads_out)]
             + ([_loop_key(op), _loop_zeros_key(op)] if op.type in graph_lib.WHILE_OP_TYPES else []),
             [t.ref() for t in op.outputs],
-            [(t.ref(), _gradient_size(t, op, size)) for t in op.inputs
+            [(t.ref(), _gradient_size(t, op, size)) for t in differentiated
              if graph_lib.carries_gradient(t) and wanted(t)],
+            arguments is not None,
         )
         memo[op] = found
-    reads, outputs, emitted = found
+    reads, outputs, emitted, closure = found
+    if not grads.has_any(outputs):
+        return  # no gradient reaches it (a custom gradient's inner ops): not differentiated
     for ref in reads:
-        timeline.use(rename(ref), step)
+        # a custom gradient's closure reads the forward pass's tensors, also for a copy
+        timeline.use(ref if closure else rename(ref), step)
     grads.consume(outputs, step)
     for ref, nbytes in emitted:
         grads.add(ref, nbytes, step)

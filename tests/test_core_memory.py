@@ -51,6 +51,7 @@ the baseline's 100.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -206,3 +207,34 @@ def test_collection_checkpoints_save_the_same(graph, measure_peak):
     ours = msg.gradients_collection(model.loss, model.inputs)
     peak = units(measure_peak(ours, model.feed_dict)[0])
     assert abs(peak - 3) < 0.5, peak
+
+
+@pytest.mark.memory
+def test_custom_gradient_activations_are_modelled_as_tensorflow_runs_them(graph, measure_peak):
+    """``tf.nn.silu`` is a ``tf.custom_gradient`` function: its gradient is a closure that
+    reads the forward pass's pre-activation (also for a recomputed copy, whose gradient
+    reads the original), and the ops inside it (its sigmoid and product) are never
+    differentiated.  16 silu layers of [512, 512]: plan()'s peaks of plain tf.gradients
+    and of 'memory' are within 10% of the measured ones (plain was predicted 51 MB
+    against 34 measured, the inner ops' reads counted), and the gradients equal
+    tf.gradients'."""
+    rng = np.random.default_rng(0)
+    x = tf.compat.v1.placeholder(tf.float32, [512, 512])
+    ws, h = [], x
+    for _ in range(16):
+        ws.append(tf.Variable(rng.standard_normal((512, 512)).astype(np.float32) / 23))
+        h = tf.nn.silu(h @ ws[-1])
+    loss = tf.reduce_sum(h * h)
+    feed = {x: rng.standard_normal((512, 512)).astype(np.float32)}
+    the_plan = msg.plan(loss, ws)
+    want = tf.compat.v1.gradients(loss, ws)
+    got = msg.gradients(loss, ws, checkpoints="memory")
+    plain = min(measure_peak(want, feed)[0] for _ in range(2))
+    ours = min(measure_peak(got, feed)[0] for _ in range(2))
+    summary = (str(the_plan), plain / MIB, ours / MIB)
+    assert abs(the_plan.baseline_peak_bytes / plain - 1) <= 0.1, summary
+    assert abs(the_plan.predicted_peak_bytes / ours - 1) <= 0.1, summary
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for a, b in zip(*session.run([want, got], feed)):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * np.abs(a).max())
