@@ -159,8 +159,9 @@ def running_in_py_function() -> bool:
 
 
 def captured_placeholder(graph, value):
-    """The placeholder through which a ``FuncGraph`` reads ``value``, a tensor from outside
-    it (an eager tensor the traced function uses), or None where it captured none."""
+    """The tensor through which a ``FuncGraph`` reads ``value``, a tensor from outside it
+    (an eager tensor the traced function uses): a placeholder, or a ``Const`` for a small
+    constant that TensorFlow inlines; None where it captured none."""
     for external, internal in getattr(graph, "captures", None) or ():
         if external is value:
             return internal

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import heapq
 import os
+import weakref
 from typing import Callable, Hashable, Iterable, Sequence
 
 from . import _tensorflow as _tf_internals
@@ -64,8 +65,16 @@ def is_identity_transpose(op: tf.Operation) -> bool:
     unknown (a Keras 3 ``Dense`` on a ``[batch, seq, d]`` input)."""
     if op.type not in op_types.TRANSPOSES or len(op.inputs) < 2:
         return False
-    perm = tf.get_static_value(op.inputs[1])
-    return perm is not None and perm.ndim == 1 and list(perm) == list(range(len(perm)))
+    found = _identity_transposes.get(op)
+    if found is None:  # folding the permutation takes 10-60 us: once per op
+        perm = tf.get_static_value(op.inputs[1])
+        found = _identity_transposes[op] = bool(
+            perm is not None and perm.ndim == 1 and list(perm) == list(range(len(perm))))
+    return found
+
+
+#: :func:`is_identity_transpose`'s answers, per transpose op (an op's inputs do not change).
+_identity_transposes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shares_input_buffer(op: tf.Operation) -> bool:

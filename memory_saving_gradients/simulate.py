@@ -37,9 +37,6 @@ from ._tensorflow import tf
 
 _T = TypeVar("_T")
 
-#: :data:`.ops.ALIASES`: outputs that share their input's buffer.
-ALIAS_OP_TYPES = op_types.ALIASES
-
 _END = float("inf")
 
 #: :data:`.ops.SAME_ELEMENTS`: outputs that hold exactly their first input's elements.

@@ -304,10 +304,11 @@ def _why_not_rewritable(values: list) -> str | None:
                 f"{type(unsupported[0]).__name__}, not a dense tensor or variable")
     eager = [t for t in values if isinstance(t, tf.Tensor) and not tf.is_symbolic_tensor(t)]
     if eager:
-        # e.g. an eager tensor the traced function never reads: the graph holds no op
-        # of it to differentiate to
+        # a variable's handle, or an eager tensor the traced function never reads: the
+        # graph holds no op of it to differentiate to
         return (f"a target or source of GradientTape.gradient is an eager tensor "
-                f"({eager[0].dtype.name}) that the traced function does not read")
+                f"({eager[0].dtype.name}): a variable's handle, or a tensor the traced "
+                f"function does not read")
     return None
 
 

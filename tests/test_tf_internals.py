@@ -357,6 +357,31 @@ def test_first_trace_internals_of_tf_function():
 # -- devices, patching targets ----------------------------------------------------------------------
 
 
+def test_function_captures_custom_gradients_and_py_function_frames():
+    """A tf.function's capture of an eager tensor, tf.custom_gradient's override attribute
+    (tf.nn.silu), and the frames of a py_function that a graph runs."""
+    outside, unused = tf.constant([1.0, 2.0]), tf.constant(3.0)
+    found = {}
+
+    @tf.function
+    def step():
+        graph = tf.compat.v1.get_default_graph()
+        y = outside * 2.0
+        found["capture"] = shim.captured_placeholder(graph, outside)
+        found["unused"] = shim.captured_placeholder(graph, unused)
+        silu = tf.nn.silu(y)
+        found["override"] = [shim.has_gradient_override(op) for op in (silu.op, y.op)]
+        seen = tf.py_function(lambda: shim.running_in_py_function(), [], tf.bool)
+        return y, seen
+
+    _, seen = step()
+    # a placeholder; TensorFlow inlines a small constant as a Const
+    assert found["capture"] is not None and found["capture"].op.type in ("Placeholder", "Const")
+    assert found["unused"] is None
+    assert found["override"] == [True, False]
+    assert bool(seen) and not shim.running_in_py_function()
+
+
 def test_devices_and_kernels():
     gpus = tf.config.list_physical_devices("GPU")
     assert shim.gpu_visible() == bool(gpus)
