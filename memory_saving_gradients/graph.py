@@ -84,6 +84,15 @@ def shares_input_buffer(op: tf.Operation) -> bool:
     return bool(op.inputs) and (op.type in op_types.ALIASES or is_identity_transpose(op))
 
 
+def gathers_rows(op: tf.Operation) -> bool:
+    """Whether a gather (:data:`.ops.GATHERS`) takes rows of its params (axis 0): their
+    gradient is then an ``IndexedSlices`` of the gathered rows."""
+    if op.type != "GatherV2":
+        return True
+    axis = tf.get_static_value(op.inputs[2])
+    return axis is not None and int(axis) == 0
+
+
 def reads_a_variable(t: tf.Tensor) -> bool:
     """Whether ``t`` is a variable's value (``ReadVariableOp``, or the read of a v1 ref
     variable): grappler never removes an identity of it."""
@@ -381,22 +390,52 @@ def _folds_to_constant(op: tf.Operation, folded: dict, made_after: int) -> bool:
     shape-only read (``Shape``, ``Size``, ...) of statically shaped tensors, or, for an
     op made after ``made_after``, a stateless op of such constants only.  Older ops
     are judged by their own type alone (no walk up the graph); ``folded`` remembers
-    the answers, so that ops judged in creation order recurse one level at most."""
-    found = folded.get(op)
-    if found is None:
-        if op.type == "Const":
-            found = True
-        elif op.type == "BroadcastGradientArgs":  # reads shapes as values
-            found = all(_folds_to_constant(t.op, folded, made_after) for t in op.inputs)
-        elif op.type in op_types.SHAPE_ONLY_READERS:
-            found = all(t.shape.is_fully_defined() for t in op.inputs)
-        elif op_order(op) <= made_after or op.type in _NOT_FOLDED:
-            found = False
-        else:
-            found = (bool(op.inputs) and not op.control_inputs and not _is_stateful(op)
-                     and all(_folds_to_constant(t.op, folded, made_after) for t in op.inputs))
-        folded[op] = found
-    return found
+    the answers.  The walk keeps its own stack (a graph's ancestry may be deeper than
+    Python's recursion limit), and a cycle (a v1 loop's ``NextIteration``) folds
+    nothing."""
+    stack = [op]
+    while stack:
+        current = stack[-1]
+        if folded.get(current) is not None:
+            stack.pop()
+            continue
+        if current not in folded:
+            found = _folds_by_type(current, made_after)
+            if found is not None:
+                folded[current] = found
+                stack.pop()
+                continue
+            folded[current] = None  # on the stack: a cycle back to it folds nothing
+        found, unseen = True, None
+        for t in current.inputs:
+            if t.op not in folded:
+                unseen = t.op
+                break
+            if folded[t.op] is not True:
+                found = False
+                break
+        if unseen is not None:
+            stack.append(unseen)
+            continue
+        folded[current] = found
+        stack.pop()
+    return folded[op]
+
+
+def _folds_by_type(op: tf.Operation, made_after: int) -> bool | None:
+    """:func:`_folds_to_constant` of ``op`` where its type alone decides; ``None`` where
+    it folds when all its inputs do."""
+    if op.type == "Const":
+        return True
+    if op.type == "BroadcastGradientArgs":  # reads shapes as values
+        return None
+    if op.type in op_types.SHAPE_ONLY_READERS:
+        return all(t.shape.is_fully_defined() for t in op.inputs)
+    if op_order(op) <= made_after or op.type in _NOT_FOLDED:
+        return False
+    if not op.inputs or op.control_inputs or _is_stateful(op):
+        return False
+    return None
 
 
 def _is_stateful(op: tf.Operation) -> bool:
@@ -570,6 +609,27 @@ class ForwardRegion:
         for op in self._not_recomputable:
             ops.update(t.op for t in op.inputs if t.op in self.ops)
         return frozenset(ops)
+
+    @functools.cached_property
+    def computed_outside(self) -> tuple:
+        """``(tensor, buffer)`` for each tensor the region's ops read from outside it that
+        the step computes itself (a dropout's mask from a seed, a rescaled input):
+        ``buffer`` is the tensor whose buffer it holds (itself, or what an identity or
+        reshape of it forwards).  What is fed, constants (also those grappler folds),
+        variables' values and a dataset's elements are left out: the step allocates
+        none of them."""
+        folded: dict = {}
+        found = []
+        for t in _read_from_outside(self):
+            buffer = t
+            while shares_input_buffer(buffer.op):
+                buffer = buffer.op.inputs[0]
+            if (buffer.dtype in (tf.resource, tf.variant)
+                    or buffer.op.type in op_types.NOT_ALLOCATED_IN_STEP
+                    or _folds_to_constant(buffer.op, folded, made_after=-1)):
+                continue
+            found.append((t, buffer))
+        return tuple(found)
 
     def consumed_outputs(self, op: tf.Operation) -> tuple:
         """Outputs of ``op`` consumed by ops of the region."""

@@ -332,18 +332,10 @@ def _static_input_kinds(op: tf.Operation, outputs: tuple) -> tuple:
         elif function in passes:
             kinds.append(outputs[i] if len(outputs) == len(op.inputs) else outputs[0])
         elif function in gathers and i == 0:
-            kinds.append("sparse" if _gathers_rows(op) else "dense")
+            kinds.append("sparse" if graph_lib.gathers_rows(op) else "dense")
         else:
             kinds.append("dense")
     return tuple(kinds)
-
-
-def _gathers_rows(op: tf.Operation) -> bool:
-    """Whether a gather's params gradient is an ``IndexedSlices`` (axis 0)."""
-    if op.type != "GatherV2":
-        return True
-    axis = tf.get_static_value(op.inputs[2])
-    return axis is not None and int(axis) == 0
 
 
 __all__ = ["guarded_gradients", "find_difference"]

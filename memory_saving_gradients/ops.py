@@ -61,6 +61,14 @@ GRADIENT_FINDS_ACCUMULATOR_BY_NAME = frozenset({
     "TensorArrayConcatV3", "TensorArraySplitV3",
 })
 
+#: Sources whose values the step does not allocate: what is fed, constants, variables,
+#: a dataset's elements (made by the input pipeline, outside the step's kernels).
+NOT_ALLOCATED_IN_STEP = frozenset({
+    "Placeholder", "PlaceholderWithDefault", "Const", "VarHandleOp", "VariableV2", "Variable",
+    "IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
+    "MultiDeviceIteratorGetNextFromShard",
+})
+
 # -- shapes only ----------------------------------------------------------------------
 
 #: Ops that read only the shapes of their inputs: a tensor they read holds no buffer

@@ -10,7 +10,11 @@ from the step that makes it to the last step that reads it; what gradients
 read of the forward pass comes from :func:`graph.gradient_reads`.  Ops that
 only forward their input's buffer (reshapes, identities, variable reads)
 allocate nothing.  Tensors fed from outside the region (placeholders,
-constants) are not counted: TensorFlow does not allocate them in the step.
+constants, variables, a dataset's elements) are not counted: TensorFlow does
+not allocate them in the step.  Those the step computes outside the region
+(a dropout's mask, a rescaled input: :attr:`graph.ForwardRegion.computed_outside`)
+are counted from the step's start, where the executor runs them, to their
+last read; what they are made from, briefly live then, is not.
 
 Sizes come from static shapes; an unknown dimension counts as
 ``unknown_dim`` and the prediction lists it among its assumptions.
@@ -463,8 +467,12 @@ def _gradient_size(tensor: tf.Tensor, consumer: tf.Operation, size) -> int:
     A handle's (resource or variant) gradient is as large as what the consumer
     reads through it (a variable read, a ``TensorListStack``), when its first output
     holds those values; otherwise (a loop's list going into the ``While``) its size
-    is not known statically and counts as 0.
+    is not known statically and counts as 0.  A gather's params gradient is an
+    ``IndexedSlices``: the gathered rows' values and their indices.
     """
+    if (consumer.type in op_types.GATHERS and tensor.ref() == consumer.inputs[0].ref()
+            and graph_lib.gathers_rows(consumer)):
+        return size(consumer.outputs[0]) + size(consumer.inputs[1])
     if graph_lib.is_float_or_complex(tensor):
         return size(tensor)
     if consumer.outputs and graph_lib.is_float_or_complex(consumer.outputs[0]):
@@ -489,6 +497,12 @@ def _forward_timeline(region, size: Sizer) -> tuple:
 
 def _forward(timeline: _Timeline, region, size) -> int:
     end = len(region.order)
+    # what the step computes outside the region (a dropout's mask) depends on nothing the
+    # region makes: the executor runs it as soon as the step starts
+    for t, buffer in region.computed_outside:
+        if buffer.ref() not in timeline.alias:
+            timeline.alloc(buffer.ref(), size(buffer), 0)
+        timeline.alias_of(t.ref(), buffer.ref())
     for step, op in enumerate(region.order):
         for t in op.inputs:
             timeline.use(t.ref(), step)

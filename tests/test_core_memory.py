@@ -238,3 +238,40 @@ def test_custom_gradient_activations_are_modelled_as_tensorflow_runs_them(graph,
         session.run(tf.compat.v1.global_variables_initializer())
         for a, b in zip(*session.run([want, got], feed)):
             np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * np.abs(a).max())
+
+
+@pytest.mark.memory
+def test_masks_the_step_computes_outside_the_region_are_counted(graph, measure_peak):
+    """A dropout whose seed is a variable's value makes its mask in the step, outside the
+    region between the weights and the loss; the executor runs it when the step starts
+    and keeps it until its gradient reads it.  8 ReLU layers of [512, 512] with such a
+    dropout each and a softmax head: plan()'s peaks of plain tf.gradients and of 'memory'
+    are within 5% of the measured ones (19.0 MB predicted against 18.8 measured, 11.8
+    against 11.8; the masks uncounted, they were 10.5% and 6.5% low), and the gradients
+    equal tf.gradients'."""
+    rng = np.random.default_rng(0)
+    x = tf.compat.v1.placeholder(tf.float32, [512, 512])
+    seed = tf.Variable([3, 7], dtype=tf.int64)
+    ws, h = [], x
+    for i in range(8):
+        ws.append(tf.Variable(rng.standard_normal((512, 512)).astype(np.float32) / 23))
+        h = tf.nn.relu(h @ ws[-1])
+        h = tf.nn.experimental.stateless_dropout(h, rate=0.3, seed=seed + i)
+    ws.append(tf.Variable(rng.standard_normal((512, 10)).astype(np.float32) / 23))
+    labels = tf.compat.v1.placeholder(tf.int32, [512])
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=h @ ws[-1]))
+    feed = {x: rng.standard_normal((512, 512)).astype(np.float32),
+            labels: rng.integers(0, 10, 512)}
+    the_plan = msg.plan(loss, ws, checkpoints="memory")
+    want = tf.compat.v1.gradients(loss, ws)
+    got = msg.gradients(loss, ws, checkpoints="memory")
+    plain = min(measure_peak(want, feed)[0] for _ in range(2))
+    ours = min(measure_peak(got, feed)[0] for _ in range(2))
+    summary = (str(the_plan), plain / MIB, ours / MIB)
+    assert abs(the_plan.baseline_peak_bytes / plain - 1) <= 0.05, summary
+    assert abs(the_plan.predicted_peak_bytes / ours - 1) <= 0.05, summary
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        for a, b in zip(*session.run([want, got], feed)):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * np.abs(a).max())
