@@ -206,3 +206,60 @@ def test_patched_fit_on_tf_data_trains_like_keras(steps_per_execution, recorded_
         "recompute" in op.name for g in recorded_graphs for op in g.get_operations()
     ), "the planner kept nothing in fit's step"
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def _dropout_net(kind: str):
+    """A Keras 3 net with a ``Dropout`` after every layer (its mask made in the step from
+    a seed variable) and its batch: six conv-ReLU layers of 32 channels at 32 px after a
+    ``Rescaling`` (batch 32), or eight ``Dense(512)`` ReLU layers (batch 512)."""
+    keras.utils.set_random_seed(0)
+    if kind == "conv":
+        shape, batch = (32, 32, 3), 32
+        stack = [keras.Input(shape), keras.layers.Rescaling(1 / 255)]
+        for _ in range(6):
+            stack += [keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                      keras.layers.Dropout(0.2)]
+        stack.append(keras.layers.GlobalAveragePooling2D())
+    else:
+        shape, batch = (512,), 512
+        stack = [keras.Input(shape)]
+        for _ in range(8):
+            stack += [keras.layers.Dense(512, activation="relu"), keras.layers.Dropout(0.3)]
+    model = keras.Sequential(stack + [keras.layers.Dense(10)])
+    model.compile(optimizer="sgd",
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch,) + shape).astype("float32")
+    return model, x, rng.integers(0, 10, batch)
+
+
+def _train_on_batch_peak(model, x, y) -> float:
+    """Least allocator peak (MiB) of three ``train_on_batch`` steps after a warm-up one."""
+    import tensorflow as tf
+
+    x, y = tf.constant(x), tf.constant(y)
+    model.train_on_batch(x, y)
+    return min(msg.peak_memory_during(lambda: model.train_on_batch(x, y))
+               for _ in range(3)) / (1 << 20)
+
+
+@pytest.mark.slow
+@pytest.mark.memory
+@pytest.mark.parametrize("kind", ["conv", "mlp"])
+def test_plan_of_a_dropout_net_is_what_the_step_measures(kind):
+    """Keras 3's ``Dropout`` makes its mask in the step, from a seed variable: the memory
+    model counts it from the step's start to its gradient.  ``train_on_batch`` applies
+    each gradient as it is made, so the plan's in-step peaks are the ones to compare:
+    within 10% of the measured ones, plain and ``'memory'``.  Before the masks were
+    counted: the conv net's ``'memory'`` plan was predicted 24.0 MB and measured 33.0
+    (now 30.4 and 30.0, plain 58.4 against 57.6); the MLP's 8.0 against 9.8-10.5 (now
+    9.8 against 9.8-10.0), its plain 17.0 against 19.0-20.0 (now 19.0)."""
+    model, x, y = _dropout_net(kind)
+    plain = _train_on_batch_peak(model, x, y)
+    model, x, y = _dropout_net(kind)
+    ours = _train_on_batch_peak(msg.keras.enable(model, "memory"), x, y)
+    plan = msg.keras.plans(model)[-1]
+    summary = (str(plan), plain, ours)
+    assert abs(plan.in_step_baseline_peak_bytes / (1 << 20) / plain - 1) <= 0.1, summary
+    assert abs(plan.in_step_peak_bytes / (1 << 20) / ours - 1) <= 0.1, summary
+    assert ours < 0.8 * plain, summary
