@@ -26,6 +26,7 @@ import contextlib
 import re
 import sys
 import threading
+import typing
 import warnings
 
 from . import notices
@@ -450,6 +451,61 @@ def forget_first_trace(function) -> None:
     function._created_variables = None
     function._variable_creation_config = None
     function._no_variable_creation_config = None
+
+
+# -- tf.function calls (for messages only) -------------------------------------------------------
+
+
+def _atomic_function_class():
+    try:
+        from tensorflow.python.eager.polymorphic_function import atomic_function
+    except ImportError:  # pragma: no cover  (another TensorFlow layout)
+        return None
+    cls = getattr(atomic_function, "AtomicFunction", None)
+    return cls if callable(getattr(cls, "call_flat", None)) else None
+
+
+_ATOMIC_FUNCTION = _atomic_function_class()
+_call_observers: list = []
+_call_observers_lock = threading.Lock()
+
+
+def _observed_call_flat(call_flat):
+    def observed(self, *args):
+        observers = tuple(_call_observers)
+        if observers and tf.executing_eagerly():
+            graph = getattr(self, "_cached_graph", None)
+            if graph is not None:
+                for observer in observers:
+                    observer(graph)
+        return call_flat(self, *args)
+
+    observed._memory_saving_gradients_wraps = call_flat
+    return observed
+
+
+def observe_function_calls(observer: typing.Callable) -> typing.Callable[[], None]:
+    """Call ``observer(graph)`` with the traced graph (a ``FuncGraph``) of every
+    ``tf.function`` that runs eagerly from now on (a call inside another function's
+    trace is not a run); returns the function that stops it.  Where TensorFlow's
+    layout is not the known one, nothing is observed."""
+    if _ATOMIC_FUNCTION is None:  # pragma: no cover  (another TensorFlow layout)
+        return lambda: None
+    with _call_observers_lock:
+        if not _call_observers:
+            _ATOMIC_FUNCTION.call_flat = _observed_call_flat(_ATOMIC_FUNCTION.call_flat)
+        _call_observers.append(observer)
+
+    def stop() -> None:
+        with _call_observers_lock:
+            if observer not in _call_observers:
+                return
+            _call_observers.remove(observer)
+            wrapped = _ATOMIC_FUNCTION.call_flat
+            if not _call_observers and hasattr(wrapped, "_memory_saving_gradients_wraps"):
+                _ATOMIC_FUNCTION.call_flat = wrapped._memory_saving_gradients_wraps
+
+    return stop
 
 
 # -- devices and kernels ----------------------------------------------------------------------

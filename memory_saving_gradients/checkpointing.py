@@ -145,6 +145,7 @@ def _gradients(
                 checkpoints, problem.ys, problem.xs, problem.region, problem.graph,
                 memory_budget, batch_size,
             )
+            reporting.planned(problem.graph)
             if chosen is None:
                 return tf_gradients(ys, xs, grad_ys, **options)
             _warn_unmodelled_workspaces(problem.region)

@@ -30,6 +30,7 @@ The library itself never calls through these names: it uses TensorFlow's own
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import logging
 import sys
@@ -213,6 +214,7 @@ class Patch:
         self.options = dict(options)
         self.tape = tape
         self._tape_token = None
+        self._stop_observing = None
         self.record = reporting.Record()
         self.record.tapes = tape
         self.replacements = {
@@ -237,6 +239,10 @@ class Patch:
             self._tape_token = tape_hooks.push(
                 tape_lib.Config.of(self.checkpoints, self.options, self.record)
             )
+        # which traced steps the block runs: undo() tells a step checkpointed under an
+        # earlier patch from one traced before any
+        self._stop_observing = _tf_internals.observe_function_calls(
+            functools.partial(reporting.function_ran, self.record))
         self.active = True
 
     @property
@@ -271,6 +277,9 @@ class Patch:
             if self._tape_token is not None:
                 tape_hooks.pop(self._tape_token)
                 self._tape_token = None
+            if self._stop_observing is not None:
+                self._stop_observing()
+                self._stop_observing = None
             for key, (module, previous, new) in self._slots.items():
                 # A later patch saw our function as "previous": hand it ours.
                 successor = next((p for p in later if key in p._slots), None)

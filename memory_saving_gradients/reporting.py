@@ -18,7 +18,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import re
 import threading
+import weakref
 from typing import TYPE_CHECKING, Iterator
 
 from . import notices, recovery
@@ -49,6 +51,10 @@ class Record:
         replaces only the ``gradients`` names).
       nested: the records of patches applied while this one was active: they rewrite
         in its place.
+      ran: names of the traced functions it ran (eagerly) whose gradients the library
+        planned when they were traced (under an earlier patch), with counts.
+      ran_plain: names of the traced functions it ran that compute gradients the
+        library never saw (traced before any patch), with counts.
     """
 
     def __init__(self, where: str | None = None):
@@ -62,6 +68,8 @@ class Record:
         self.traced: dict[str, list[int]] = collections.defaultdict(list)
         self.tapes = True
         self.nested: list[Record] = []
+        self.ran: collections.Counter = collections.Counter()
+        self.ran_plain: collections.Counter = collections.Counter()
 
 
 _local = threading.local()
@@ -110,7 +118,9 @@ def ran_eagerly(record: Record | None) -> None:
         record.eager += 1
 
 
-def left_plain(record: Record | None, reason: str) -> None:
+def left_plain(record: Record | None, reason: str, graph: tf.Graph | None = None) -> None:
+    """Count a tape gradient left to TensorFlow, and why; ``graph``: where it was traced."""
+    planned(graph)
     if record is not None:
         record.plain[reason] += 1
 
@@ -120,6 +130,40 @@ def scheduled(schedule: Schedule) -> None:
     record = current()
     if record is not None:
         record.schedules.append(schedule)
+
+
+#: Graphs in which the library planned gradients (rewritten or left plain), and the
+#: graphs they were traced in (a Keras step's gradient is built in a function nested
+#: in the one that runs).
+_planned_graphs: weakref.WeakSet = weakref.WeakSet()
+#: Whether a traced graph the library never planned builds gradients (its own ops or
+#: those of the functions it calls), by graph.
+_builds_gradients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: The name scopes of gradient ops: tapes', and tf.gradients' (``gradients``, ``gradients_1``).
+_GRADIENT_SCOPE = re.compile(r"(^|/)(gradient_tape|gradients(_\d+)?)/")
+
+
+#: The ``train_function`` of each Keras model whose step the library planned.
+_planned_train_functions: weakref.WeakSet = weakref.WeakSet()
+
+
+def planned(graph: tf.Graph | None) -> None:
+    """Remember that the library planned gradients in ``graph`` (see :func:`function_ran`),
+    and in the train function of the Keras model being traced, if any."""
+    while graph is not None and graph not in _planned_graphs:
+        _planned_graphs.add(graph)
+        graph = getattr(graph, "outer_graph", None)
+    model = recovery.keras_model_being_traced()
+    function = getattr(model, "train_function", None) if model is not None else None
+    if function is not None:
+        with contextlib.suppress(TypeError):  # not weakly referable
+            _planned_train_functions.add(function)
+
+
+def _planned_train_function(model: object) -> bool:
+    with contextlib.suppress(TypeError):
+        return getattr(model, "train_function", None) in _planned_train_functions
+    return False
 
 
 def rewrote(plan: Plan, graph: tf.Graph) -> None:
@@ -148,6 +192,29 @@ def rewrote(plan: Plan, graph: tf.Graph) -> None:
         plan.predicted_peak_bytes / mb, plan.baseline_peak_bytes / mb, plan.predicted_ratio,
         in_step, plan.recompute_cost,
     )
+
+
+def function_ran(record: Record, graph: tf.Graph) -> None:
+    """Count a traced function ``record``'s entry point ran: one whose gradients the
+    library planned when it was traced (under an earlier patch), one with gradients it
+    never saw (traced before any patch), or neither."""
+    name = getattr(graph, "name", None) or "?"
+    if graph in _planned_graphs:
+        record.ran[name] += 1
+        return
+    builds = _builds_gradients.get(graph)
+    if builds is None:
+        definition = graph.as_graph_def()
+        names = [node.name for node in definition.node] + [
+            node.name for function in definition.library.function for node in function.node_def]
+        builds = _builds_gradients[graph] = any(_GRADIENT_SCOPE.search(n) for n in names)
+    if builds:
+        record.ran_plain[name] += 1
+
+
+def _named(counts: collections.Counter) -> str:
+    names = [repr(name) for name, _ in counts.most_common()]
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
 def where(graph: tf.Graph, record: Record | None = None) -> str:
@@ -184,6 +251,11 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
                     "backward pass(es) in its place (their handles' plans list them).",
                     what, by_nested)
         return
+    if record.ran and not (record.ran_plain or record.eager or record.calls or record.plain):
+        logger.info("%s built no gradient itself: the step(s) it ran (%s) were traced "
+                    "under an earlier patch, which planned their gradients then (its "
+                    "plans and messages say what it rewrote).", what, _named(record.ran))
+        return
     if record.eager:
         category = notices.EagerExecutionWarning
         cause = (
@@ -213,16 +285,20 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
         )
     else:
         category = notices.NothingRewrittenWarning
+        ran = (f": it ran {_named(record.ran_plain)}, traced before any patch, which "
+               "reuses its graph" if record.ran_plain else
+               ". Most likely the step was traced before it: a tf.function called "
+               "earlier, or a Keras model that already ran fit (or train_on_batch), "
+               "reuses its graph")
         cause = (
-            "no gradient was built while it was active. Most likely the step was traced "
-            "before it: a tf.function called earlier, or a Keras model that already ran "
-            "fit (or train_on_batch), reuses its graph. Trace it inside the patch for the "
-            "first time: wrap the step in a new tf.function, or for Keras call "
+            f"no gradient was built while it was active{ran}. Trace the step inside the "
+            "patch for the first time: wrap the step in a new tf.function, or for Keras call "
             "model.compile(...) again or use memory_saving_gradients.keras.enable(model), "
             "which retraces. Gradients computed eagerly (outside tf.function, or with "
             "run_eagerly=True) cannot be rewritten either"
         )
-        names = [repr(getattr(m, "name", "?")) for m in recovery.keras_models_with_train_function()]
+        names = [repr(getattr(m, "name", "?")) for m in recovery.keras_models_with_train_function()
+                 if not _planned_train_function(m)]
         if names:
             cause += (f". Keras models whose train_function was built before: "
                       f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")

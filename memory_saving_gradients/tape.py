@@ -194,7 +194,7 @@ def checkpointed_gradient(
     if why_not is not None:
         logger.warning("memory_saving_gradients: %s; using tf.GradientTape's own gradient "
                        "(no memory saved).", why_not)
-        reporting.left_plain(config.record, why_not)
+        reporting.left_plain(config.record, why_not, tf.compat.v1.get_default_graph())
         return plain()
     if _tf_internals.tape_is_used_up(tape):
         raise RuntimeError(
@@ -270,7 +270,7 @@ def _stays_plain(tape, config: Config) -> bool:
     if reason is not None:
         logger.debug("memory_saving_gradients: plain tape gradient (%s)", reason)
         if reason != "inside the library":
-            reporting.left_plain(config.record, reason)
+            reporting.left_plain(config.record, reason, tf.compat.v1.get_default_graph())
         return True
     return False
 

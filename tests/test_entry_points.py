@@ -443,6 +443,64 @@ def test_a_patch_around_a_step_traced_before_warns_with_the_cause():
     assert len([w for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)]) == 1
 
 
+def _tanh_step(weights):
+    @tf.function
+    def tanh_step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(tf.tanh(tf.tanh(x @ weights) @ weights) @ weights))
+        return tape.gradient(loss, weights)
+
+    return tanh_step
+
+
+def test_a_patch_around_a_step_traced_before_names_the_function_it_ran():
+    step = _tanh_step(tf.Variable(tf.ones([WIDTH, WIDTH]) * 0.01))
+    x = tf.ones([BATCH, WIDTH])
+    step(x)
+    with pytest.warns(msg.NothingRewrittenWarning, match="it ran 'tanh_step', traced before"):
+        with msg.patched("memory"):
+            step(x)
+
+
+def test_a_step_checkpointed_under_an_earlier_patch_runs_in_the_next_without_a_warning(caplog):
+    """A loop that wraps each call of its step in ``patched()``: the first block traces
+    and rewrites it, the later ones run that graph; they must not say "traced before"."""
+    step = _tanh_step(tf.Variable(tf.ones([WIDTH, WIDTH]) * 0.01))
+    x = tf.ones([BATCH, WIDTH])
+    with msg.patched("memory") as first:
+        want = step(x)
+    assert first.plans
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", msg.MemorySavingGradientsWarning)
+        with caplog.at_level(logging.INFO, logger=LOGGER):
+            for _ in range(2):
+                with msg.patched("memory") as later:
+                    got = step(x)
+    assert later.plans == []
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    ran = [r.getMessage() for r in caplog.records if "built no gradient itself" in r.getMessage()]
+    assert len(ran) == 2 and "'tanh_step'" in ran[0] and "earlier patch" in ran[0], ran
+
+
+@pytest.mark.slow
+def test_keras_3_fit_again_under_a_new_patch_does_not_warn():
+    model = _keras3_model(name="fitted_under_a_patch")
+    with msg.patched("memory") as first:
+        _fit(model)
+    assert first.plans
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", msg.MemorySavingGradientsWarning)
+        with msg.patched("memory"):
+            _fit(model)
+    other = _keras3_model(name="fitted_plainly")
+    _fit(other)
+    with pytest.warns(msg.NothingRewrittenWarning) as caught:
+        with msg.patched("memory"):
+            _fit(other)
+    text = str(caught[0].message)
+    assert "'fitted_plainly'" in text and "'fitted_under_a_patch'" not in text, text
+
+
 @pytest.mark.slow
 def test_a_patch_after_keras_fit_warns_naming_the_model_and_keras_enable_retraces():
     model = _keras3_model(name="fitted_before")

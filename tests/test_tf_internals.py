@@ -403,6 +403,34 @@ def test_gradient_functions_and_their_private_slots():
     assert not shim.defines_tf_gradients(tf)
 
 
+# -- tf.function calls ------------------------------------------------------------------------------
+
+
+def test_observe_function_calls_sees_eager_runs_until_stopped():
+    @tf.function
+    def double(x):
+        return 2 * x
+
+    @tf.function
+    def outer(x):
+        return double(x) + 1
+
+    original = shim._ATOMIC_FUNCTION.call_flat
+    seen, also = [], []
+    stop = shim.observe_function_calls(seen.append)
+    stop_also = shim.observe_function_calls(also.append)
+    assert outer(tf.constant(1.0)).numpy() == 3.0
+    stop()
+    double(tf.constant(1.0))
+    assert [g.name for g in seen] == ["outer"], seen  # the nested call is no eager run
+    assert [g.name for g in also] == ["outer", "double"], also
+    stop_also()
+    stop_also()  # twice is harmless
+    assert shim._ATOMIC_FUNCTION.call_flat is original
+    double(tf.constant(2.0))
+    assert len(also) == 2
+
+
 # -- the shim is the only door ----------------------------------------------------------------------
 
 
