@@ -150,6 +150,10 @@ def _gradients(
                 return tf_gradients(ys, xs, grad_ys, **options)
             _warn_unmodelled_workspaces(problem.region)
             logger.debug("checkpoints: %s", [t.name for t in chosen])
+            # the plan is made before the rewrite: it describes the forward graph as the
+            # planner saw it, not one with the backward pass added
+            made_plan = (_plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops)
+                         if reporting.wanted() else None)
             with tf.name_scope(name or "gradients"):
                 results = _backprop(_Request(
                     problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops,
@@ -157,11 +161,8 @@ def _gradients(
                                      aggregation_method, unconnected),
                     _unknown_dim(batch_size),
                 ))
-            if reporting.wanted():
-                reporting.rewrote(
-                    _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops),
-                    problem.graph,
-                )
+            if made_plan is not None:
+                reporting.rewrote(made_plan, problem.graph)
             return results
 
 

@@ -210,10 +210,24 @@ def custom_gradient_arguments(op: tf.Operation) -> tuple | None:
     differentiated.  None for any other op."""
     if op.type != "IdentityN" or not _tf_internals.has_gradient_override(op):
         return None
-    results = 0  # the leading outputs that are read: the function's results
+    return tuple(t for t in op.inputs[_custom_gradient_results(op):] if t.dtype != tf.resource)
+
+
+def _custom_gradient_results(op: tf.Operation) -> int:
+    """How many leading inputs of a ``tf.custom_gradient`` ``IdentityN`` are the
+    function's results.  The function made them from its arguments, which existed
+    before it ran: the least count after which every later input is older than every
+    result.  (Which outputs are read is no guide: a gradient built later may read the
+    arguments' outputs, e.g. ``zeros_like`` of an unknown shape.)  Where no count
+    fits, the leading outputs that are read."""
+    orders = [op_order(t.op) for t in op.inputs]
+    for results in range(1, len(orders)):
+        if max(orders[results:]) < min(orders[:results]):
+            return results
+    results = 0
     while results < len(op.outputs) and op.outputs[results].consumers():
         results += 1
-    return tuple(t for t in op.inputs[results:] if t.dtype != tf.resource)
+    return results
 
 
 def gradient_reads(op: tf.Operation, needs_gradient: NeedsGradient = lambda tensor: True) -> tuple:
