@@ -23,6 +23,7 @@ calls itself through a patch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import sys
 import threading
@@ -466,6 +467,7 @@ def _atomic_function_class():
 
 
 _ATOMIC_FUNCTION = _atomic_function_class()
+_logger = logging.getLogger("memory_saving_gradients")
 _call_observers: list = []
 _call_observers_lock = threading.Lock()
 
@@ -477,7 +479,10 @@ def _observed_call_flat(call_flat):
             graph = getattr(self, "_cached_graph", None)
             if graph is not None:
                 for observer in observers:
-                    observer(graph)
+                    try:
+                        observer(graph)
+                    except Exception:  # a message's bookkeeping never fails a step
+                        _logger.debug("function call observer failed", exc_info=True)
         return call_flat(self, *args)
 
     observed._memory_saving_gradients_wraps = call_flat
@@ -552,4 +557,4 @@ def defines_tf_gradients(module) -> bool:
 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in (
-    "annotations", "re", "warnings", "notices")]
+    "annotations", "logging", "re", "warnings", "notices")]
