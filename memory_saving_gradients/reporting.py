@@ -54,7 +54,7 @@ class Record:
       ran: names of the traced functions it ran (eagerly) whose gradients the library
         planned when they were traced (under an earlier patch), with counts.
       ran_plain: names of the traced functions it ran that compute gradients the
-        library never saw (traced before any patch), with counts.
+        library never planned (traced before any patch), with counts.
     """
 
     def __init__(self, where: str | None = None):
@@ -285,8 +285,9 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
         )
     else:
         category = notices.NothingRewrittenWarning
-        ran = (f": it ran {_named(record.ran_plain)}, traced before any patch, which "
-               "reuses its graph" if record.ran_plain else
+        ran = (f": it ran {_named(record.ran_plain)}, whose gradients no patch planned "
+               "when it was traced (most likely before this one), and which reuses that "
+               "graph" if record.ran_plain else
                ". Most likely the step was traced before it: a tf.function called "
                "earlier, or a Keras model that already ran fit (or train_on_batch), "
                "reuses its graph")
