@@ -286,8 +286,8 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
     else:
         category = notices.NothingRewrittenWarning
         ran = (f": it ran {_named(record.ran_plain)}, whose gradients no patch planned "
-               "when it was traced (most likely before this one), and which reuses that "
-               "graph" if record.ran_plain else
+               "(traced before this patch, or under one with tape=False), and which "
+               "reuses that graph" if record.ran_plain else
                ". Most likely the step was traced before it: a tf.function called "
                "earlier, or a Keras model that already ran fit (or train_on_batch), "
                "reuses its graph")
