@@ -255,6 +255,8 @@ def _gradient_reads_by_type(op: tf.Operation, needs_gradient: NeedsGradient) -> 
         return (), tuple(op.outputs)
     if op.type in op_types.GRADIENT_READS_FIRST_INPUT:
         return tuple(op.inputs[:1]), ()
+    if op.type in op_types.GRADIENT_READS_SECOND_INPUT:
+        return tuple(op.inputs[1:2]), ()
     if op.type in op_types.GRADIENT_READS_SECOND_OUTPUT:
         return (), (op.outputs[1],)
     if op.type in op_types.GRADIENT_READS_TWO_INPUTS_AND_SAVED_OUTPUTS:

@@ -110,6 +110,10 @@ GRADIENT_READS_OUTPUTS = frozenset({
 #: The gradient reads the first input only: a select's condition (its branches' shapes
 #: are read, not their values).
 GRADIENT_READS_FIRST_INPUT = frozenset({"Select", "SelectV2"})
+#: The gradient reads the second input only: the gradients of rectifiers' gradients
+#: (``ReluGrad(dy, features)``, differentiated again by a gradient penalty or a
+#: Hessian-vector product) read the features, never the incoming gradient.
+GRADIENT_READS_SECOND_INPUT = frozenset({"ReluGrad", "Relu6Grad", "LeakyReluGrad"})
 #: Gradients that make ``zeros_like`` of an input (op type -> the input's index): where
 #: the input's shape is not static, that is a ``ZerosLike`` op reading the input (in a
 #: loop, TensorFlow keeps it for the gradient); a static shape makes a constant.

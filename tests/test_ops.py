@@ -99,6 +99,26 @@ def test_kind_and_gather_types_have_registered_gradients():
         assert shim.registered_gradient(op_type) is not None, op_type
 
 
+@pytest.mark.parametrize("op_type", sorted(ops.GRADIENT_READS_SECOND_INPUT))
+def test_rectifier_gradients_differentiated_again_read_only_the_features(op_type):
+    """What TensorFlow's registered gradient of each such op reads of the op's inputs,
+    found by building it: the features (input 1), never the incoming gradient."""
+    graph = tf.Graph()
+    with graph.as_default():
+        dy = tf.compat.v1.placeholder(tf.float32, [4, 8], name="dy")
+        features = tf.compat.v1.placeholder(tf.float32, [4, 8], name="features")
+        rectifier = {"ReluGrad": tf.raw_ops.ReluGrad, "Relu6Grad": tf.raw_ops.Relu6Grad,
+                     "LeakyReluGrad": tf.raw_ops.LeakyReluGrad}[op_type]
+        out = rectifier(gradients=dy, features=features)
+        before = set(graph.get_operations())
+        tf.compat.v1.gradients(out, [dy, features], grad_ys=tf.ones([4, 8]))
+        read = {t.ref() for op in graph.get_operations() if op not in before
+                for t in op.inputs if t.op in before}
+    assert out.op.type == op_type
+    assert read == {features.ref()}, read
+    assert graph_lib.gradient_reads(out.op) == ((features,), ())
+
+
 def test_gradient_reads_follows_the_sets():
     graph = tf.Graph()
     with graph.as_default():
