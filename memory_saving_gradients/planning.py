@@ -155,11 +155,9 @@ class Plan:
             lines.append(
                 "  recomputes: " + ", ".join(f"{n} {kind}" for kind, n in self.recomputed_ops)
             )
+        size = simulate.Sizer(self.batch or 1)  # as the memory model sizes them
         for t in self.checkpoints:
-            lines.append(
-                f"  {t.name:<60s} {str(t.shape):<22s} "
-                f"{graph_lib.tensor_bytes(t, self.batch or 1) / mb:9.2f} MB"
-            )
+            lines.append(f"  {t.name:<60s} {str(t.shape):<22s} {size(t) / mb:9.2f} MB")
         lines.extend(f"  assumed: {a}" for a in self.assumptions)
         if self.batch is not None and self._model is not None:
             lines.append("  predicted peak by batch (this plan / tf.gradients): " + ", ".join(

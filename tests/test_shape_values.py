@@ -70,3 +70,22 @@ def test_identity_transposes_share_their_input(graph):
     swapped = tf.transpose(x, [0, 2, 1])
     assert graph_lib.shares_input_buffer(same.op) and graph_lib.forwards_its_input(same.op)
     assert not graph_lib.shares_input_buffer(swapped.op)
+
+
+def test_a_plan_lists_its_checkpoints_at_the_memory_models_sizes(graph):
+    """``str(plan)`` sizes each checkpoint as the memory model does: a reshape to a
+    run-time target (``(None, 32)``, as ``tf.tensordot`` makes) has the batch's 64 rows
+    per example, not one row per example."""
+    import memory_saving_gradients as msg
+
+    x = tf.compat.v1.placeholder(tf.float32, [None, 64, 32])
+    w = tf.Variable(tf.ones([32, 256]))
+    shape = tf.shape(x)  # as tf.tensordot builds its target
+    rows = tf.reshape(tf.tanh(x), tf.stack([tf.reduce_prod(shape[:2]), shape[2]]))
+    hidden = tf.tanh(tf.matmul(rows, w))
+    loss = tf.reduce_sum(tf.tanh(hidden))
+    plan = msg.plan(loss, [x, w], checkpoints=[rows, hidden])
+    assert rows.shape.as_list() == [None, 32] and plan.batch == 32
+    lines = {line.split()[0]: line for line in str(plan).splitlines()[1:]}
+    assert lines[rows.name].endswith(f"{32 * 64 * 32 * 4 / 2**20:9.2f} MB"), str(plan)
+    assert lines[hidden.name].endswith(f"{32 * 64 * 256 * 4 / 2**20:9.2f} MB"), str(plan)
