@@ -575,10 +575,11 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
         any_batch = unknown_dim is None
         at = batch_lib.PLANNING_BATCHES[-1] if any_batch else unknown_dim
         baseline = simulate.predict_baseline(region, ys, xs, at, fetched=False)
+        at_batch = f" at batch {at}" if unknown and any_batch else ""
         why = (
             "the memory model predicts no set of checkpoints with a lower peak than "
-            f"plain tf.gradients' {baseline.peak_bytes / MIB:.2f} MB (in a step that "
-            "applies each gradient as it is made) on this graph "
+            f"plain tf.gradients' {baseline.peak_bytes / MIB:.2f} MB{at_batch} (in a step "
+            "that applies each gradient as it is made) on this graph "
             f"({len(region.ops)} ops between xs and ys; {_why_nothing_helps(region)})"
         )
         if unknown and any_batch:
