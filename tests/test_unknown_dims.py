@@ -11,6 +11,8 @@ the plan made with B stated (``batch_size=B``), measured on the same graph
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -144,6 +146,7 @@ def test_keeping_nothing_is_one_warning_that_says_why():
     assert len(warnings) == 1, warnings
     assert "predicts no set of checkpoints with a lower peak" in warnings[0]
     assert "planned for every batch" in warnings[0] and "batch_size=" in warnings[0]
+    assert re.search(r"plain tf.gradients' [0-9.]+ MB at batch 4096 \(", warnings[0]), warnings[0]
 
 
 @pytest.mark.slow
