@@ -212,9 +212,13 @@ def function_ran(record: Record, graph: tf.Graph) -> None:
         record.ran_plain[name] += 1
 
 
+def _listed(names: list) -> str:
+    """The first five of ``names``, quoted, and ``...`` if there are more."""
+    return ", ".join(repr(n) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+
+
 def _named(counts: collections.Counter) -> str:
-    names = [repr(name) for name, _ in counts.most_common()]
-    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+    return _listed([name for name, _ in counts.most_common()])
 
 
 def where(graph: tf.Graph, record: Record | None = None) -> str:
@@ -298,11 +302,10 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
             "which retraces. Gradients computed eagerly (outside tf.function, or with "
             "run_eagerly=True) cannot be rewritten either"
         )
-        names = [repr(getattr(m, "name", "?")) for m in recovery.keras_models_with_train_function()
+        names = [getattr(m, "name", "?") for m in recovery.keras_models_with_train_function()
                  if not _planned_train_function(m)]
         if names:
-            cause += (f". Keras models whose train_function was built before: "
-                      f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}")
+            cause += f". Keras models whose train_function was built before: {_listed(names)}"
     if record.plain and (record.eager or record.calls):
         reasons = "; ".join(f"{n}x {reason}" for reason, n in record.plain.most_common())
         cause += f". Tape gradients left to TensorFlow: {reasons}"
