@@ -129,7 +129,9 @@ def _least_peak(fetches, feed, sessions=3):
 
 def _mlp_step_peaks(checkpoints):
     """(measured peak with the gradients fetched, measured peak of a training step that
-    applies them, the plan) of the weight-heavy MLP."""
+    applies them, the plan) of the weight-heavy MLP.  The step's peak is the least of 8
+    sessions: with 'memory' the executor's order moves it between 1.50 and 2.25 MB from
+    one process to the next (least of 3: 2.25 MB once in a clean-clone run)."""
     with tf.Graph().as_default():
         loss, weights, feed = _weight_heavy_mlp()
         the_plan = msg.plan(loss, weights, checkpoints=checkpoints or "memory")
@@ -137,7 +139,7 @@ def _mlp_step_peaks(checkpoints):
                  else msg.gradients(loss, weights, checkpoints=checkpoints))
         step = tf.compat.v1.train.GradientDescentOptimizer(0.01).apply_gradients(
             zip(grads, weights))
-        return _least_peak(grads, feed), _least_peak(step, feed), the_plan
+        return _least_peak(grads, feed), _least_peak(step, feed, sessions=8), the_plan
 
 
 @pytest.mark.memory
