@@ -1,6 +1,7 @@
 """Static memory model: the predicted peak of a backward pass, before anything runs.
 
-Layer: analysis (read-only); imports: graph, ops, schedule, shape_values, timing, _tensorflow.
+Layer: analysis (read-only); imports: graph, ops, schedule, shape_values, timing, workspace,
+_tensorflow.
 
 The model replays the step as TensorFlow's executor would run it one op at a
 time: the forward pass in topological order, then (plain ``tf.gradients``)
@@ -18,9 +19,10 @@ last read; what they are made from, briefly live then, is not.
 
 Sizes come from static shapes; an unknown dimension counts as
 ``unknown_dim`` and the prediction lists it among its assumptions.
-Workspace memory of kernels (e.g. convolution scratch) and the parallelism
-of the executor are not modelled; the slack this leaves is measured in the
-tests.  Where the rewrite lets the executor run a gradient later than this
+A kernel's workspace counts at its step where :mod:`.workspace` knows it (an
+einsum's transposed copies of its operands and product); others (convolution
+scratch without oneDNN) and the parallelism of the executor are not modelled;
+the slack this leaves is measured in the tests.  Where the rewrite lets the executor run a gradient later than this
 order (:func:`step_order`), the model counts what it reads as held until the
 latest point the rewrite allows, and allows it only under the peak.
 """
@@ -36,7 +38,7 @@ import numpy as np
 from . import graph as graph_lib
 from . import ops as op_types
 from . import schedule as schedule_lib
-from . import shape_values, timing
+from . import shape_values, timing, workspace
 from ._tensorflow import tf
 
 _T = TypeVar("_T")
@@ -107,6 +109,7 @@ class Sizer:
         self._shapes: dict = {}
         self._values: dict = {}  # shape tensors' values (shape_values.evaluate)
         self._costs: dict = {}
+        self._scratch: dict = {}  # (id(op), gradient) -> (op, bytes): kernel workspaces
         self._per_region: dict = {}  # (id(region), key) -> (region, value)
         self.loops_assumed: set = set()  # loops whose trip count is not static
 
@@ -262,6 +265,16 @@ class Sizer:
         found = self._per_region.get((id(region), key))
         if found is None or found[0] is not region:
             found = self._per_region[(id(region), key)] = (region, make())
+        return found[1]
+
+    def scratch(self, op: tf.Operation, gradient: bool = False) -> int:
+        """Bytes ``op``'s kernel (``gradient``: its gradient's kernels) allocates besides
+        its outputs while it runs (:mod:`.workspace`), remembered."""
+        key = (id(op), gradient)
+        found = self._scratch.get(key)
+        if found is None or found[0] is not op:
+            measure = workspace.gradient_bytes if gradient else workspace.forward_bytes
+            found = self._scratch[key] = (op, measure(op, self, self.shape))
         return found[1]
 
     def cost(self, op: tf.Operation) -> float:
@@ -520,7 +533,14 @@ def _forward(timeline: _Timeline, region, size) -> int:
                     timeline.alloc(t.ref(), 0, step)
             else:
                 timeline.alloc(t.ref(), size(t), step)
+        _scratch(timeline, size.scratch(op), step)
     return len(region.order)
+
+
+def _scratch(timeline: _Timeline, nbytes: int, step: float) -> None:
+    """A kernel's workspace: live at its step only."""
+    if nbytes:
+        timeline.alloc(("scratch", step), nbytes, step)
 
 
 class _Gradients:
@@ -594,6 +614,7 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
     grads.consume(outputs, step)
     for ref, nbytes in emitted:
         grads.add(ref, nbytes, step)
+    _scratch(timeline, size.scratch(op, gradient=True), step)
 
 
 def _loop_key(op: tf.Operation) -> tuple:
@@ -850,3 +871,4 @@ class _Replay:
                         timeline.alloc(key, 0, self.step)
                 else:
                     timeline.alloc(key, self.size(t), self.step)
+            _scratch(timeline, self.size.scratch(op), self.step)
