@@ -18,11 +18,13 @@ happens just before it is needed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
 import numbers
+import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
 from . import _gc, guard, memo, notices, planning, recovery, reporting, rewrite, simulate, strategies
@@ -51,6 +53,9 @@ GradYs = Optional[Union[tf.Tensor, Sequence[Optional[tf.Tensor]]]]
 DEFAULT_BATCH_SIZE = 32
 
 _inside_gradients = Nesting()  # gradients() calls running in this thread
+# per graph, the backward passes gradients() built: ((ys names, xs names), first op id,
+# last op id); plan() does not take them for another computation's backward pass
+_built_backward: "weakref.WeakKeyDictionary[tf.Graph, list]" = weakref.WeakKeyDictionary()
 
 
 def building_gradients() -> bool:
@@ -138,7 +143,7 @@ def _gradients(
     unconnected = tf.UnconnectedGradients(unconnected_gradients)
     with _inside_gradients:
         problem = _prepare(ys, xs)
-        with problem.graph.as_default():
+        with problem.graph.as_default(), _remembered_backward(problem):
             stops = _stop_list(stop_gradients)
             grad_ys_list = _grad_ys_list(grad_ys, problem.ys)
             chosen = choose_checkpoints(
@@ -164,6 +169,38 @@ def _gradients(
             if made_plan is not None:
                 reporting.rewrote(made_plan, problem.graph)
             return results
+
+
+@contextlib.contextmanager
+def _remembered_backward(problem):
+    """Remembers the ops built inside as the backward pass of ``problem``'s ys and xs."""
+    first = graph_lib.last_op_id(problem.graph) + 1
+    try:
+        yield
+    finally:
+        last = graph_lib.last_op_id(problem.graph)
+        if last >= first:
+            _built_backward.setdefault(problem.graph, []).append(
+                (_computation_key(problem), first, last))
+
+
+def _computation_key(problem) -> tuple:
+    return (tuple(t.name for t in problem.ys), tuple(t.name for t in problem.xs))
+
+
+def _other_backward_note(problem) -> tuple:
+    """:func:`simulate.other_backward_note` for ``problem``, leaving out the backward
+    passes this library built for the same ys and xs (a ``plan()`` after its
+    ``gradients()``)."""
+    key = _computation_key(problem)
+    own = [(first, last) for built, first, last in _built_backward.get(problem.graph, ())
+           if built == key]
+
+    def elsewhere(op):
+        order = graph_lib.op_order(op)
+        return not any(first <= order <= last for first, last in own)
+
+    return simulate.other_backward_note(problem.region, elsewhere)
 
 
 @tf.autograph.experimental.do_not_convert  # as gradients(): called from tf.function bodies
@@ -232,9 +269,13 @@ def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=()) 
     key = _memo_key(checkpoints, memory_budget, _planning_dim(batch_size, unknown),
                     problem.region, problem.ys, problem.xs)
     if key is None:
-        return make()
-    return memo.remembered_plan(key + _stops_key(stops, problem.region) + (stated,), chosen,
-                                make, schedule)
+        made = make()
+    else:
+        made = memo.remembered_plan(key + _stops_key(stops, problem.region) + (stated,), chosen,
+                                    make, schedule)
+    # not remembered with the plan: it depends on the graph around the region
+    note = _other_backward_note(problem)
+    return dataclasses.replace(made, assumptions=made.assumptions + note) if note else made
 
 
 def _stops_key(stops, region) -> tuple:

@@ -326,6 +326,53 @@ def loop_note(region: graph_lib.ForwardRegion) -> tuple:
             "loops is planned",)
 
 
+#: Name scopes TensorFlow builds gradients in: ``tf.gradients`` (and this library's
+#: rewrite) ``gradients``, ``gradients_1``, ...; a ``tf.GradientTape`` in a graph
+#: ``gradient_tape``.
+_GRADIENT_SCOPES = ("gradients", "gradient_tape")
+
+
+def _gradient_scope(op: tf.Operation) -> str | None:
+    """The name scope of the gradient computation that built ``op`` (``'gradients_1'``,
+    ``'model/gradient_tape'``), or None for an op built outside one."""
+    parts = op.name.split("/")[:-1]
+    for i, part in enumerate(parts):
+        if part.startswith(_GRADIENT_SCOPES):
+            return "/".join(parts[:i + 1])
+    return None
+
+
+def other_backward_note(region: graph_lib.ForwardRegion,
+                        counts: Callable[[tf.Operation], bool] = lambda op: True) -> tuple:
+    """A note where the graph already holds another backward pass that reads this
+    region's tensors (a second tape or ``tf.gradients`` call over the same forward
+    pass: a GAN's two losses, a persistent tape used twice), which the peaks leave out.
+
+    A gradient computation with ops inside the region (a gradient penalty's inner
+    gradient) is part of this pass's forward and counted; ops that only read shapes
+    hold nothing; ops for which ``counts`` is false (this computation's own backward
+    pass, already built) are left out.
+    """
+    inside = {scope for scope in map(_gradient_scope, region.order) if scope}
+    readers = {}
+    for op in region.order:
+        for t in op.outputs:
+            for consumer in t.consumers():
+                if consumer in region or consumer.type in op_types.SHAPE_ONLY_READERS:
+                    continue
+                scope = _gradient_scope(consumer)
+                if scope and scope not in inside and counts(consumer):
+                    readers[consumer] = scope
+    if not readers:
+        return ()
+    example = min(readers, key=graph_lib.op_order).name
+    return (f"the graph already holds another backward pass over this forward pass "
+            f"({len(readers)} gradient op(s) outside it read its tensors, e.g. {example}: "
+            "a second tape or tf.gradients call, as in a GAN): both peaks count only this "
+            "gradient computation's backward pass, and a step that runs both holds more "
+            "(docs/usage.md)",)
+
+
 def workspace_note(region: graph_lib.ForwardRegion, onednn: bool, gpu: bool) -> tuple:
     """What the model leaves out on this machine, as a line for ``Plan.assumptions``.
 

@@ -257,6 +257,57 @@ def test_unknown_batch_dimension_is_an_assumption(graph):
     assert "assumed" in str(the_plan)
 
 
+def _two_losses_over_one_forward():
+    """A GAN's shape: a generator's output fed to a discriminator, two losses."""
+    x = tf.compat.v1.placeholder(tf.float32, [32, 64])
+
+    def stack(h, weights):
+        for w in weights:
+            h = tf.tanh(tf.matmul(h, w))
+        return h
+
+    g_weights = [tf.Variable(tf.ones([64, 64]) * 0.01) for _ in range(6)]
+    d_weights = [tf.Variable(tf.ones([64, 64]) * 0.01) for _ in range(6)]
+    fake = stack(x, g_weights)
+    d_loss = tf.reduce_mean(stack(fake, d_weights)) + tf.reduce_mean(stack(x, d_weights))
+    g_loss = -tf.reduce_mean(stack(fake, d_weights))
+    return d_loss, d_weights, g_loss, g_weights
+
+
+def _says_other_backward(the_plan):
+    return any("another backward pass" in a for a in the_plan.assumptions)
+
+
+@pytest.mark.parametrize("first", ["ours", "tf.gradients"])
+def test_a_second_backward_pass_over_one_forward_is_an_assumption(graph, first):
+    """Where the graph already holds the backward pass of another gradient computation
+    over the same forward pass (a GAN's two tapes), the plan says its peaks count only
+    its own; a plan() after this computation's own gradients() does not."""
+    d_loss, d_weights, g_loss, g_weights = _two_losses_over_one_forward()
+    assert not _says_other_backward(msg.plan(g_loss, g_weights))
+    if first == "ours":
+        msg.gradients(d_loss, d_weights, checkpoints="memory")
+        assert not _says_other_backward(msg.plan(d_loss, d_weights))
+    else:
+        tf.compat.v1.gradients(d_loss, d_weights)
+    second = msg.plan(g_loss, g_weights)
+    assert _says_other_backward(second)
+    assert "another backward pass" in str(second)
+
+
+def test_a_gradient_penalty_is_part_of_its_own_forward_pass(graph):
+    """The inner gradient of a gradient penalty lies inside the outer computation's
+    forward pass: no note of another backward pass."""
+    x = tf.compat.v1.placeholder(tf.float32, [32, 64])
+    weights = [tf.Variable(tf.ones([64, 64]) * 0.01) for _ in range(4)]
+    h = x
+    for w in weights:
+        h = tf.tanh(tf.matmul(h, w))
+    (inner,) = tf.compat.v1.gradients(tf.reduce_sum(h), [x])
+    loss = tf.reduce_mean(h) + tf.reduce_mean(tf.square(inner))
+    assert not _says_other_backward(msg.plan(loss, weights))
+
+
 @pytest.mark.parametrize("bad", [0, -5, "10MB", True])
 def test_bad_budget_is_a_clear_error(graph, bad):
     x = tf.compat.v1.placeholder(tf.float32, [8])
