@@ -124,6 +124,24 @@ def test_einsum_scratch_is_what_the_allocator_records(equation):
     _check_einsums(equation, EINSUMS[equation], ABSOLUTE_SLACK, RELATIVE_SLACK)
 
 
+@pytest.mark.memory
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_max_pools_scratch_is_what_the_allocator_records(graph, stride):
+    """Under oneDNN a max pool's kernel allocates a byte per output element beside its
+    output, freed when it returns; without oneDNN nothing."""
+    x = tf.compat.v1.placeholder(tf.float32, [16, 32, 32, 64])
+    pooled = tf.nn.max_pool2d(x, 2, stride, "SAME")
+    feed = {x: np.random.default_rng(0).random((16, 32, 32, 64), dtype=np.float32)}
+    with tf.compat.v1.Session() as session:
+        _, metadata = profiling.traced_run(session, pooled, feed)
+    (records,) = [[(r.alloc_micros, r.alloc_bytes) for m in node.memory for r in m.allocation_records]
+                  for device in metadata.step_stats.dev_stats for node in device.node_stats
+                  if node.node_name == pooled.op.name]
+    measured = profiling.running_peak(records) - graph_lib.tensor_bytes(pooled)
+    predicted = workspace.forward_bytes(pooled.op, graph_lib.tensor_bytes, lambda t: t.shape.as_list())
+    assert abs(measured - predicted) <= 16 * 1024, (measured, predicted)
+
+
 ONEDNN_OFF = r"""
 import json, sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]
