@@ -263,6 +263,9 @@ def _gradient_reads_by_type(op: tf.Operation, needs_gradient: NeedsGradient) -> 
         return tuple(op.inputs[:2]), tuple(op.outputs[3:])
     if op.type in op_types.GRADIENT_READS_INPUTS_AND_OUTPUTS:
         return tuple(op.inputs), tuple(op.outputs)
+    if op.type in op_types.GRADIENT_READS_DIVISOR and len(op.inputs) == 2:
+        dividend, divisor = op.inputs
+        return ((dividend, divisor) if needs_gradient(divisor) else (divisor,)), ()
     if op.type in op_types.GRADIENT_READS_OTHER_INPUT and len(op.inputs) == 2:
         first, second = op.inputs[0], op.inputs[1]
         return tuple(

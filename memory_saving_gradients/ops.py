@@ -136,6 +136,11 @@ GRADIENT_READS_OTHER_INPUT = frozenset({
     "Conv3D", "DepthwiseConv2dNative",
 })
 
+#: Divisions ``x / y``: the gradient for ``x`` reads ``y``; the one for ``y`` reads ``x``
+#: and ``y``.  ``x`` is read only if ``y`` needs a gradient (attention scores divided by a
+#: constant are not held for it: grappler prunes the unused half).
+GRADIENT_READS_DIVISOR = frozenset({"RealDiv", "Div", "DivNoNan"})
+
 # -- what kind of gradient an op's gradient function gives ------------------------------------
 
 #: The gradient passes each output gradient's kind (dense / ``IndexedSlices``) on to

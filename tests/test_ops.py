@@ -119,6 +119,34 @@ def test_rectifier_gradients_differentiated_again_read_only_the_features(op_type
     assert graph_lib.gradient_reads(out.op) == ((features,), ())
 
 
+@pytest.mark.parametrize("op_type", sorted(ops.GRADIENT_READS_DIVISOR))
+@pytest.mark.parametrize("divisor_needs_gradient", [False, True])
+def test_division_gradients_read_the_dividend_only_for_the_divisors(op_type, divisor_needs_gradient):
+    """What the ops that compute TensorFlow's registered gradient of a division read of
+    its inputs (those on a path to a wanted gradient: grappler prunes the others)."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [4, 8], name="y")
+        divide = {"RealDiv": tf.raw_ops.RealDiv, "Div": tf.raw_ops.Div,
+                  "DivNoNan": tf.raw_ops.DivNoNan}[op_type]
+        out = divide(x=x, y=y)
+        before = set(graph.get_operations())
+        wanted = [x, y] if divisor_needs_gradient else [x]
+        grads = tf.compat.v1.gradients(out, wanted, grad_ys=tf.ones([4, 8]))
+        needed, stack = set(), [g.op for g in grads]
+        while stack:
+            op = stack.pop()
+            if op not in needed and op not in before:
+                needed.add(op)
+                stack.extend(t.op for t in op.inputs)
+        read = {t.ref() for op in needed for t in op.inputs if t.op in before and t.op is not out.op}
+    expected = {x.ref(), y.ref()} if divisor_needs_gradient else {y.ref()}
+    assert read == expected
+    found = graph_lib.gradient_reads(out.op, lambda t: t.ref() in {w.ref() for w in wanted})
+    assert {t.ref() for t in found[0]} == expected and found[1] == ()
+
+
 def test_gradient_reads_follows_the_sets():
     graph = tf.Graph()
     with graph.as_default():

