@@ -27,6 +27,8 @@ import numbers
 import weakref
 from typing import Any, Iterable, Optional, Sequence, Union
 
+import numpy as np
+
 from . import _gc, guard, memo, notices, planning, recovery, reporting, rewrite, simulate, strategies
 from . import _tensorflow as _tf_internals
 from . import batch as batch_lib
@@ -488,6 +490,7 @@ def choose_checkpoints(
         strategy = strategies.get(checkpoints)
         unknown = graph_lib.has_unknown_dims(region)
         fitting = None  # with a budget and an unknown batch: the plan its batch was found with
+        stated = batch_size is not None
         if memory_budget is not None and unknown and batch_size is None:
             batch_size, fitting = budget_batch(ys, xs, region, memory_budget, unknown)
         options = {"unknown_dim": _planning_dim(batch_size, unknown)}
@@ -504,7 +507,7 @@ def choose_checkpoints(
             usable = usable_checkpoints(found, ys, xs, region)
             if not usable:
                 _warn_nothing_kept(checkpoints, ys, xs, region, options["unknown_dim"], unknown,
-                                   memory_budget)
+                                   memory_budget, stated)
             elif checkpoints in _RULE_STRATEGIES:
                 usable = _unless_nothing_saved(checkpoints, usable, ys, xs, region,
                                                options["unknown_dim"], unknown)
@@ -523,8 +526,12 @@ def choose_checkpoints(
         )
     outer = [t for t in given if not graph_lib.in_function_body_of(t, graph)]
     _check_same_graph(outer, graph, "checkpoints", ys)
-    if not region.ops:
-        return None  # no op between xs and ys (ys do not depend on xs): as tf.gradients
+    if not region.ops:  # no op between xs and ys: plain tf.gradients, as a strategy would
+        notices.warn(
+            f"checkpoints (a list of {len(given)}) keeps nothing: ys do not depend on xs "
+            "through any op. Using plain tf.gradients (no memory is saved).",
+            notices.NothingKeptWarning)
+        return None
     usable = usable_checkpoints(outer, ys, xs, region)
     if not usable:
         inside = (f" {len(nested)} of them lie inside the body of a tf.while_loop, tf.cond "
@@ -596,8 +603,9 @@ _MODELLED_STRATEGIES = ("memory", "balanced")
 
 
 def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
-                       memory_budget=None) -> None:
-    """One warning that says why a strategy keeps nothing."""
+                       memory_budget=None, stated=False) -> None:
+    """One warning that says why a strategy keeps nothing (``stated``: the caller passed
+    ``batch_size=``)."""
     plain_fits = memory_budget is not None and simulate.predict_baseline(
         region, ys, xs, unknown_dim, fetched=True).peak_bytes <= memory_budget
     if not region.ops:
@@ -627,6 +635,8 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
             why += (f"; unknown dimensions ({unknown}) were planned for every batch, "
                     f"judged at {batch_lib.describe_range()} (the figure is at "
                     f"{at}): pass batch_size=N to plan for one batch")
+        elif unknown and stated:
+            why += f"; unknown dimensions ({unknown}) were counted as batch_size={unknown_dim}"
         elif unknown:
             why += (f"; unknown dimensions ({unknown}) were counted as {unknown_dim}: "
                     "pass batch_size=N if you feed a larger batch")
@@ -1192,9 +1202,31 @@ def _check_same_graph(tensors, graph, what: str, ys: Sequence[tf.Tensor] = ()) -
 
 
 def _grad_ys_list(grad_ys, ys: list) -> list:
+    """``grad_ys`` as a list, one per y (None: ones), checked before anything is built:
+    each tensor from ys' graph, each with its y's shape, and each tensor of its y's dtype
+    (``tf.gradients`` finds such mistakes only while it builds, leaving ops behind)."""
     if grad_ys is None:
         return [None] * len(ys)
     grad_ys = _as_list(grad_ys)
     if len(grad_ys) != len(ys):
         raise ValueError(f"Length mismatch. Passed {len(grad_ys)} grad_ys for {len(ys)} ys")
+    for i, (grad_y, y) in enumerate(zip(grad_ys, ys)):
+        if grad_y is None or isinstance(grad_y, tf.IndexedSlices):
+            continue
+        if isinstance(grad_y, tf.Tensor):
+            _check_same_graph([grad_y], y.graph, f"grad_ys[{i}]", ys)
+            shape, dtype = grad_y.shape, grad_y.dtype
+        else:
+            try:
+                shape, dtype = tf.TensorShape(np.shape(grad_y)), None
+            except (TypeError, ValueError):
+                continue  # tf.gradients' own conversion says what is wrong with it
+        if not shape.is_compatible_with(y.shape):
+            raise ValueError(
+                f"grad_ys[{i}] has shape {shape}, but ys[{i}] {y.name!r} has shape {y.shape}: "
+                "each of grad_ys is the gradient of its y, and has that y's shape")
+        if dtype is not None and dtype.base_dtype != y.dtype.base_dtype:
+            raise TypeError(
+                f"grad_ys[{i}] has dtype {dtype.name}, but ys[{i}] {y.name!r} has dtype "
+                f"{y.dtype.name}: cast it (tf.cast) to its y's dtype")
     return grad_ys

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -155,6 +156,31 @@ def test_grad_ys_length_mismatch(model, unchanged):
     call_fails(ValueError, ["grad_ys", "ys"], model.loss, model.inputs,
                grad_ys=[None, None],
                checkpoints=[model.units[2]])
+
+
+@pytest.fixture
+def bad_grad_ys(model):
+    """grad_ys that do not fit the loss (made before the graph's snapshot)."""
+    return {"shape": tf.ones([5]), "dtype": tf.ones(model.loss.shape, tf.float64),
+            "array": np.ones([5], np.float32)}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind, error, words", [
+    ("shape", ValueError, [r"grad_ys\[0\]", r"shape \(5,\)", "has that y's shape"]),
+    ("dtype", TypeError, [r"grad_ys\[0\]", "float64", "float32", "tf.cast"]),
+    ("array", ValueError, [r"grad_ys\[0\]", r"shape \(5,\)"]),
+])
+@pytest.mark.parametrize("checkpoints", ["memory", "list"])
+def test_grad_ys_that_do_not_fit_their_y(model, bad_grad_ys, unchanged, kind, error, words,
+                                         checkpoints):
+    """tf.gradients finds these only while it builds the gradients (leaving ops behind);
+    here they are refused before anything is built, by gradients() and plan() alike."""
+    chosen = [model.units[2]] if checkpoints == "list" else checkpoints
+    call_fails(error, words, model.loss, model.inputs, grad_ys=bad_grad_ys[kind],
+               checkpoints=chosen)
+    with pytest.raises(error):
+        msg.plan(model.loss, model.inputs, checkpoints=chosen, grad_ys=bad_grad_ys[kind])
 
 
 @pytest.mark.unit

@@ -149,6 +149,21 @@ def test_keeping_nothing_is_one_warning_that_says_why():
     assert re.search(r"plain tf.gradients' [0-9.]+ MB at batch 4096 \(", warnings[0]), warnings[0]
 
 
+def test_keeping_nothing_at_a_stated_batch_does_not_ask_for_one(graph):
+    """With batch_size= passed, the warning says the dimensions were counted as it, and
+    does not tell the caller to pass batch_size=."""
+    memo.forget()
+    x = tf.compat.v1.placeholder(tf.float32, [None, 256])
+    h = x
+    for i in range(12):
+        h = tf.tanh(h @ tf.Variable(tf.ones([256, 256]) * 0.01, name=f"w{i}"))
+    loss = tf.reduce_sum(h ** 2)
+    with pytest.warns(msg.NothingKeptWarning) as caught:
+        msg.plan(loss, tf.compat.v1.trainable_variables(), checkpoints="memory", batch_size=8)
+    (warning,) = [str(w.message) for w in caught if w.category is msg.NothingKeptWarning]
+    assert "counted as batch_size=8" in warning and "pass batch_size" not in warning, warning
+
+
 @pytest.mark.slow
 def test_same_values_with_an_unknown_batch(graph, run_both, assert_grads_match):
     loss, xs, feed = _build("transformer", 8, False)
