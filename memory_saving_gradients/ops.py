@@ -101,6 +101,11 @@ GRADIENT_READS_NOTHING = frozenset({
     "Sum", "Mean", "Tile", "StopGradient", "ReadVariableOp", "ResourceGather",
     "GatherV2", "BroadcastTo", "ZerosLike", "OnesLike", "Snapshot", "EnsureShape",
     "TensorListFromTensor", "TensorListSetItem",
+    # rearrangements whose gradient is the inverse rearrangement of the incoming one
+    # (a dilated convolution's SpaceToBatchND / BatchToSpaceND, a mirror pad, a roll)
+    "SpaceToBatchND", "BatchToSpaceND", "SpaceToBatch", "BatchToSpace", "SpaceToDepth",
+    "DepthToSpace", "PadV2", "MirrorPad", "ReverseV2", "Roll", "MatrixBandPart",
+    "GatherNd", "Cumsum", "ResizeNearestNeighbor", "AvgPool", "AvgPool3D",
 })
 #: The gradient reads the outputs only.
 GRADIENT_READS_OUTPUTS = frozenset({

@@ -84,6 +84,11 @@ class Prediction:
 #: reshape's target, a fill's dimensions, a broadcast's shape.
 _SHAPE_INPUT = {"Reshape": 1, "Fill": 0, "BroadcastTo": 1}
 
+#: Ops that move spatial blocks into the batch (True) or back (False), and the index of
+#: their block shape input (None: a ``block_size`` attribute, squared).
+_BATCH_FACTOR = {"SpaceToBatchND": (True, 1), "BatchToSpaceND": (False, 1),
+                 "SpaceToBatch": (True, None), "BatchToSpace": (False, None)}
+
 #: Matrix products, and the names of the attributes that transpose their two operands.
 _PRODUCTS = {"MatMul": ("transpose_a", "transpose_b"),
              "BatchMatMul": ("adj_x", "adj_y"), "BatchMatMulV2": ("adj_x", "adj_y"),
@@ -158,6 +163,10 @@ class Sizer:
             target = self._target_shape(op, dims, depth)
             if target is not None:
                 return target
+        if op.type in _BATCH_FACTOR and inputs and not deep:
+            rearranged = self._space_batch_shape(op, dims, depth)
+            if rearranged is not None:
+                return rearranged
         if op.type in _PRODUCTS and len(inputs) == 2 and not deep:
             product = self._product_shape(op, inputs, dims, depth)
             if product is not None:
@@ -206,6 +215,26 @@ class Sizer:
         estimated[-2] = dims[-2] if dims[-2] is not None else rows
         estimated[-1] = dims[-1] if dims[-1] is not None else cols
         return estimated
+
+    def _space_batch_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
+        """The dimensions of an op that moves spatial blocks into the batch or back (a
+        dilated convolution's ``SpaceToBatchND`` / ``BatchToSpaceND``): its batch is its
+        input's times (or over) the block count; other unknown ones as the input's."""
+        source = self.shape(op.inputs[0], depth + 1)
+        if source is None or len(source) != len(dims):
+            return None
+        multiply, block = _BATCH_FACTOR[op.type]
+        if block is None:  # the block's size is an attribute, per spatial dimension
+            count = int(op.get_attr("block_size")) ** 2
+        else:
+            value = shape_values.evaluate(op.inputs[block], lambda t: self.shape(t, depth + 1),
+                                          self._values, ESTIMATE_DEPTH - depth)
+            if not isinstance(value, list) or not value:
+                return None
+            count = int(np.prod([int(d) for d in value], dtype=np.float64))
+        batch = source[0] * count if multiply else max(1, source[0] // max(1, count))
+        estimated = [batch if dims[0] is None else dims[0]]
+        return estimated + [source[i] if d is None else d for i, d in enumerate(dims[1:], 1)]
 
     def _target_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
         """The output dimensions of an op that takes them from a shape tensor (a reshape's

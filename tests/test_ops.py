@@ -147,6 +147,48 @@ def test_division_gradients_read_the_dividend_only_for_the_divisors(op_type, div
     assert {t.ref() for t in found[0]} == expected and found[1] == ()
 
 
+#: Ops of GRADIENT_READS_NOTHING beyond the elementwise and shape ones, built on x.
+_REARRANGEMENTS = {
+    "SpaceToBatchND": lambda x: tf.space_to_batch_nd(x, [2, 2], [[0, 0], [0, 0]]),
+    "BatchToSpaceND": lambda x: tf.compat.v1.batch_to_space_nd(x, [2, 2], [[0, 0], [0, 0]]),
+    "SpaceToDepth": lambda x: tf.nn.space_to_depth(x, 2),
+    "DepthToSpace": lambda x: tf.nn.depth_to_space(x, 2),
+    "PadV2": lambda x: tf.raw_ops.PadV2(input=x, paddings=[[0, 0], [1, 1], [1, 1], [0, 0]],
+                                        constant_values=1.0),
+    "MirrorPad": lambda x: tf.pad(x, [[0, 0], [1, 1], [1, 1], [0, 0]], mode="REFLECT"),
+    "ReverseV2": lambda x: tf.reverse(x, [1]),
+    "Roll": lambda x: tf.roll(x, 1, 1),
+    "MatrixBandPart": lambda x: tf.linalg.band_part(x, 1, 1),
+    "GatherNd": lambda x: tf.gather_nd(x, [[0, 1], [2, 3]]),
+    "Cumsum": lambda x: tf.cumsum(x, 1),
+    "ResizeNearestNeighbor": lambda x: tf.raw_ops.ResizeNearestNeighbor(images=x, size=[16, 16]),
+    "AvgPool": lambda x: tf.nn.avg_pool2d(x, 2, 2, "VALID"),
+}
+
+
+@pytest.mark.parametrize("op_type", sorted(_REARRANGEMENTS))
+def test_rearrangement_gradients_read_no_values(op_type):
+    """TensorFlow's registered gradient of each reads no float tensor of the forward
+    pass (shapes only, and integer arguments), as GRADIENT_READS_NOTHING says."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8, 8, 4], name="x")
+        out = _REARRANGEMENTS[op_type](x)
+        before = set(graph.get_operations())
+        (grad,) = tf.compat.v1.gradients(out, [x], grad_ys=tf.ones(out.shape))
+        needed, stack = set(), [grad.op]
+        while stack:
+            op = stack.pop()
+            if op not in needed and op not in before:
+                needed.add(op)
+                stack.extend(t.op for t in op.inputs)
+        read = {t.name for op in needed if op.type not in ops.SHAPE_ONLY_READERS
+                for t in op.inputs if t.op in before and t.dtype.is_floating}
+    assert out.op.type == op_type and op_type in ops.GRADIENT_READS_NOTHING
+    assert read == set(), read
+    assert graph_lib.gradient_reads(out.op) == ((), ())
+
+
 def test_gradient_reads_follows_the_sets():
     graph = tf.Graph()
     with graph.as_default():

@@ -318,3 +318,49 @@ def test_an_unknown_sequence_length_is_not_called_the_batch():
             h = tf.tanh(tf.einsum("tbd,de->tbe", h, w))
         said = " ".join(msg.plan(tf.reduce_sum(h), weights, checkpoints="memory").assumptions)
         assert "the batch is unknown" in said and "besides the batch" not in said, said
+
+
+def _dilated_conv_stack(x, blocks=4, channels=64):
+    """Causal dilated 1-D convolutions with residual adds, as Keras' ``Conv1D(dilation_rate=d,
+    padding='causal')`` builds them: ``tf.nn.convolution`` moves the dilation's blocks into
+    the batch (``SpaceToBatchND``) and back (``BatchToSpaceND``)."""
+    rng = np.random.default_rng(0)
+    h = tf.nn.convolution(x, tf.Variable(rng.normal(0, 0.1, (1, 32, channels)).astype(np.float32)))
+    for i in range(blocks):
+        d = 2 ** (i % 4)
+        r = h
+        for _ in range(2):
+            w = tf.Variable(rng.normal(0, 0.1, (3, channels, channels)).astype(np.float32))
+            r = tf.nn.relu(tf.nn.convolution(tf.pad(r, [[0, 0], [2 * d, 0], [0, 0]]), w,
+                                             dilations=[d]))
+        h = h + r
+    return tf.reduce_mean(h * h)
+
+
+@pytest.mark.memory
+@pytest.mark.parametrize("batch_known", [True, False])
+@pytest.mark.parametrize("variant", ["tf", "memory"])
+def test_dilated_convolutions_are_planned_as_measured(graph, measure_peak, batch_known, variant):
+    """A dilated convolution's gradient reads none of the values its SpaceToBatchND and
+    BatchToSpaceND rearrange, and with an unknown batch the rearranged tensor's batch is
+    the input's times the blocks: plain's peak within 10% of the least of three steps,
+    'memory''s within 15% (its plan keeps a convolution's rearranged output and the
+    residual sum after it; a ReLU between them writes into its input's buffer, which
+    the model does not count: 16.2 MB planned, 14.4 measured).  Before, plain was
+    planned at 1.7x its measured peak with the batch known (every rearranged input held
+    to its gradient) and at 0.73x with it unknown (a batch of 32 where it was 32 x 8)."""
+    batch = 32
+    x = tf.compat.v1.placeholder(tf.float32, [batch if batch_known else None, 128, 32])
+    loss = _dilated_conv_stack(x, blocks=8)
+    assert {"SpaceToBatchND", "BatchToSpaceND"} <= {op.type for op in graph.get_operations()}
+    weights = tf.compat.v1.trainable_variables()
+    plan = msg.plan(loss, weights, checkpoints="memory",
+                    batch_size=None if batch_known else batch)
+    grads = (tf.compat.v1.gradients(loss, weights) if variant == "tf"
+             else msg.gradients(loss, weights, checkpoints="memory",
+                                batch_size=None if batch_known else batch))
+    feed = {x: np.random.default_rng(1).random((batch, 128, 32), dtype=np.float32)}
+    measured = min(measure_peak(grads, feed)[0] for _ in range(3))
+    predicted = plan.baseline_peak_bytes if variant == "tf" else plan.predicted_peak_bytes
+    slack = 0.10 if variant == "tf" else 0.15
+    assert abs(predicted / measured - 1) <= slack, (predicted / MIB, measured / MIB)
