@@ -73,9 +73,11 @@ EXPENSIVE_OP_TYPES = op_types.EXPENSIVE
 def speed(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegion, **_: object) -> list:
     """Outputs of convolutions and matrix products, and the branch points between them.
 
-    Only the cheap ops are recomputed.  Tensors read by several ops (a
+    Only the cheap ops are recomputed.  Tensors whose values several ops read (a
     residual stream, an attention input) are kept too: otherwise every
-    segment would recompute back through them, and segments would overlap.
+    segment would recompute back through them, and segments would overlap.  An
+    op that reads only a shape (the ``Shape`` beside every reshape of a tensor
+    whose batch is unknown) is not such a reader.
     """
     kept = []
     for op in region.order:
@@ -83,7 +85,8 @@ def speed(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegio
             kept.append(op.outputs[0])
             continue
         for t in op.outputs:
-            if sum(1 for c in t.consumers() if c in region) > 1:
+            if sum(1 for c in t.consumers()
+                   if c in region and c.type not in op_types.SHAPE_ONLY_READERS) > 1:
                 kept.append(t)
     return kept
 
