@@ -625,8 +625,11 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
         at = batch_lib.PLANNING_BATCHES[-1] if any_batch else unknown_dim
         baseline = simulate.predict_baseline(region, ys, xs, at, fetched=False)
         at_batch = f" at batch {at}" if unknown and any_batch else ""
+        lower = ("that lowers the peak by more than "
+                 f"{strategies.LEAST_PEAK_TOLERANCE:.0%} at every batch it plans for, against"
+                 if unknown and any_batch else "with a lower peak than")
         why = (
-            "the memory model predicts no set of checkpoints with a lower peak than "
+            f"the memory model predicts no set of checkpoints {lower} "
             f"plain tf.gradients' {baseline.peak_bytes / MIB:.2f} MB{at_batch} (in a step "
             "that applies each gradient as it is made) on this graph "
             f"({len(region.ops)} ops between xs and ys; {_why_nothing_helps(region)})"
