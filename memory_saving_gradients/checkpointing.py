@@ -156,6 +156,7 @@ def _gradients(
             if chosen is None:
                 return tf_gradients(ys, xs, grad_ys, **options)
             _warn_unmodelled_workspaces(problem.region)
+            _warn_other_backward(problem)
             logger.debug("checkpoints: %s", [t.name for t in chosen])
             # the plan is made before the rewrite: it describes the forward graph as the
             # planner saw it, not one with the backward pass added
@@ -430,6 +431,22 @@ def _warn_unmodelled_workspaces(region) -> None:
     if note:
         _warned_workspaces = True
         logger.warning("%s.", note[0])
+
+
+_warned_other_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
+
+
+def _warn_other_backward(problem) -> None:
+    """Once per graph: a rewrite whose forward pass another backward pass also reads (a
+    GAN's two tapes) is planned without it, and was measured to save nothing there."""
+    if problem.graph in _warned_other_backward:
+        return
+    note = _other_backward_note(problem)
+    if note:
+        _warned_other_backward.add(problem.graph)
+        logger.warning("%s. On a small GAN, checkpointing either tape or both measured within "
+                       "the step's run-to-run spread of plain: measure the step "
+                       "(peak_memory_during).", note[0])
 
 
 @dataclasses.dataclass(frozen=True)

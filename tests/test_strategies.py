@@ -9,6 +9,7 @@ issue's, the slack stated where a prediction is compared.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import numpy as np
@@ -296,7 +297,7 @@ def _says_other_backward(the_plan):
 
 
 @pytest.mark.parametrize("first", ["ours", "tf.gradients"])
-def test_a_second_backward_pass_over_one_forward_is_an_assumption(graph, first):
+def test_a_second_backward_pass_over_one_forward_is_an_assumption(graph, first, caplog):
     """Where the graph already holds the backward pass of another gradient computation
     over the same forward pass (a GAN's two tapes), the plan says its peaks count only
     its own; a plan() after this computation's own gradients() does not."""
@@ -310,6 +311,11 @@ def test_a_second_backward_pass_over_one_forward_is_an_assumption(graph, first):
     second = msg.plan(g_loss, g_weights)
     assert _says_other_backward(second)
     assert "another backward pass" in str(second)
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        msg.gradients(g_loss, g_weights, checkpoints="memory")
+        msg.gradients(g_loss, g_weights, checkpoints="memory")
+    said = [r for r in caplog.records if "another backward pass" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
 
 
 def test_a_gradient_penalty_is_part_of_its_own_forward_pass(graph):
