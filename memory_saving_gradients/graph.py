@@ -368,14 +368,15 @@ def _trip_count(op: tf.Operation) -> int | None:
 
 def gradient_reads_output_of(op: tf.Operation, consumer: tf.Operation,
                              needs_gradient: NeedsGradient = lambda tensor: True) -> bool:
-    """Whether ``consumer``'s gradient reads an output of ``op`` (its values, or a shape
-    that is not static: TensorFlow then reads it at run time); ``needs_gradient`` as
-    for :func:`gradient_reads`."""
+    """Whether ``consumer``'s gradient reads an output of ``op``'s values;
+    ``needs_gradient`` as for :func:`gradient_reads`.  A shape it reads at run time
+    (one that is not static, with an unknown batch) does not count: a copy read only
+    for its shape is not what holds memory.  Counted, it made a plan with an unknown
+    batch keep more than the same graph's with the batch known (a residual conv net,
+    batch 32: 13 checkpoints planned at 8.06 MB against 7 at 7.56), while both plans
+    measured 7.56 MB; a Keras ViT's 'speed' was planned at 79 MB, measured 64."""
     read = {t.ref() for t in gradient_reads(consumer, needs_gradient)[0]}
-    return any(
-        t.op is op and (t.ref() in read or not t.shape.is_fully_defined())
-        for t in consumer.inputs
-    )
+    return any(t.op is op and t.ref() in read for t in consumer.inputs)
 
 
 def copies_that_run(ops: Sequence[tf.Operation], needs_gradient: NeedsGradient = lambda tensor: True) -> set:
