@@ -397,6 +397,24 @@ def tape_is_used_up(tape) -> bool:
     return tape._tape is None
 
 
+def recorded_by_an_outer_differentiator(tensors: list) -> tuple:
+    """``(by a tape, by a forward accumulator)``: whether a ``tf.GradientTape`` that is
+    recording now watches any of ``tensors`` (``record.should_record_backprop``), and
+    whether a ``tf.autodiff.ForwardAccumulator`` carries a tangent of any
+    (``TFE_Py_PackJVPs``).  Then the ops that compute their gradients are themselves
+    differentiated (a Hessian-vector product, a gradient penalty, forward over reverse)."""
+    from tensorflow.python import pywrap_tfe
+    from tensorflow.python.eager import record
+
+    if not record.could_possibly_record():
+        return False, False
+    tensors = [t for t in tensors if isinstance(t, tf.Tensor)]
+    if not tensors:
+        return False, False
+    return (bool(record.should_record_backprop(tensors)),
+            bool(pywrap_tfe.TFE_Py_PackJVPs(tensors)[1]))
+
+
 def tape_is_recording(tape) -> bool:
     """Whether ``tape`` is inside its ``with`` block and not under ``stop_recording``."""
     return tape._recording

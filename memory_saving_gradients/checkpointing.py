@@ -25,7 +25,7 @@ import inspect
 import logging
 import numbers
 import weakref
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -145,6 +145,10 @@ def _gradients(
     unconnected = tf.UnconnectedGradients(unconnected_gradients)
     with _inside_gradients:
         problem = _prepare(ys, xs)
+        outer = _outer_differentiator(problem)
+        if outer is not None:
+            _say_outer_differentiator(problem, outer)
+            return tf_gradients(ys, xs, grad_ys, **options)
         with problem.graph.as_default(), _remembered_backward(problem):
             stops = _stop_list(stop_gradients)
             grad_ys_list = _grad_ys_list(grad_ys, problem.ys)
@@ -431,6 +435,45 @@ def _warn_unmodelled_workspaces(region) -> None:
     if note:
         _warned_workspaces = True
         logger.warning("%s.", note[0])
+
+
+def _no_library_tapes() -> bool:
+    return False
+
+
+#: Whether the gradients of ``tf.GradientTape`` s recording now are built by this
+#: library (a tape configuration is active; :mod:`.tape_hooks` sets this): such an outer
+#: tape differentiates the rewrite's copies as any other graph ops.
+library_tapes_active: Callable[[], bool] = _no_library_tapes
+_warned_outer: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
+
+
+def _outer_differentiator(problem) -> str | None:
+    """What differentiates this gradient computation itself, where the rewrite cannot
+    serve it, or None.  A plain ``tf.GradientTape`` or ``ForwardAccumulator`` records
+    ops as they are made, and the rewrite's copies (made by :mod:`.rewrite`, not
+    recorded) are invisible to it: second derivatives through them came out wrong by
+    30-200% (a Hessian-vector product, a gradient penalty, forward over reverse)."""
+    by_tape, by_accumulator = _tf_internals.recorded_by_an_outer_differentiator(
+        list(problem.ys) + list(problem.xs))
+    if by_accumulator:
+        return "a tf.autodiff.ForwardAccumulator"
+    if by_tape and not library_tapes_active():
+        return "a tf.GradientTape that is recording"
+    return None
+
+
+def _say_outer_differentiator(problem, outer: str) -> None:
+    """Once per graph, at WARNING: this gradient computation falls back to plain."""
+    if problem.graph in _warned_outer:
+        return
+    _warned_outer.add(problem.graph)
+    logger.warning(
+        "memory_saving_gradients: %s differentiates this gradient computation (a "
+        "Hessian-vector product, a gradient penalty's inner gradient): it cannot see the "
+        "recomputed ops, so plain tf.gradients is used for this one (no memory saved for "
+        "it). Under patched(), outer tf.GradientTapes are the library's and see them.",
+        outer)
 
 
 _warned_other_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
