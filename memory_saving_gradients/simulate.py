@@ -405,22 +405,35 @@ def other_backward_note(region: graph_lib.ForwardRegion,
 def workspace_note(region: graph_lib.ForwardRegion, onednn: bool, gpu: bool) -> tuple:
     """What the model leaves out on this machine, as a line for ``Plan.assumptions``.
 
-    Without oneDNN (and without a GPU), TensorFlow's own CPU gradients of a
-    convolution allocate a transient workspace besides their outputs
-    (measured 14-27 MB per op at batch 8 on a CIFAR ResNet, two at a time when
-    the input and filter gradients run together); the model counts outputs
-    only, so its peaks are too low there.
+    TensorFlow's own CPU gradients of a convolution allocate a transient workspace
+    besides their outputs (measured 14-27 MB per op at batch 8 on a CIFAR ResNet, two
+    at a time when the input and filter gradients run together); the model counts
+    outputs only, so its peaks are too low there.  They run where oneDNN is off, and
+    with oneDNN on for float16 convolutions: its CPU kernels take float32 and
+    bfloat16 only (a conv net at batch 16 under Keras' ``mixed_float16``: planned 11.1
+    MB, measured 37.6; under ``mixed_bfloat16`` 12.0).
     """
-    if onednn or gpu:
+    if gpu:
         return ()
-    count = sum(op.type in CONVOLUTION_OP_TYPES for op in region.order)
-    if not count:
+    convolutions = [op for op in region.order if op.type in CONVOLUTION_OP_TYPES]
+    if onednn:
+        convolutions = [op for op in convolutions
+                        if op.outputs and op.outputs[0].dtype == tf.float16]
+    if not convolutions:
         return ()
+    count = len(convolutions)
+    if not onednn:
+        return (
+            f"oneDNN is off (TF_ENABLE_ONEDNN_OPTS): TensorFlow's CPU gradients of the {count} "
+            "convolutions allocate transient workspaces (measured 14-27 MB per op at batch 8) "
+            "that these peaks leave out; set TF_ENABLE_ONEDNN_OPTS=1 before importing "
+            "TensorFlow (docs/where-it-works.md)",
+        )
     return (
-        f"oneDNN is off (TF_ENABLE_ONEDNN_OPTS): TensorFlow's CPU gradients of the {count} "
-        "convolutions allocate transient workspaces (measured 14-27 MB per op at batch 8) "
-        "that these peaks leave out; set TF_ENABLE_ONEDNN_OPTS=1 before importing "
-        "TensorFlow (docs/where-it-works.md)",
+        f"{count} convolution(s) compute in float16, which oneDNN's CPU kernels do not take: "
+        "TensorFlow's own gradients of them allocate transient workspaces (a conv net at "
+        "batch 16: planned 11.1 MB, measured 37.6) that these peaks leave out; on CPU use "
+        "bfloat16 (Keras' mixed_bfloat16) instead (docs/where-it-works.md)",
     )
 
 
