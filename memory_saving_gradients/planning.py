@@ -7,6 +7,7 @@ for type hints only).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING, Sequence
 
 from . import _gc, notices, simulate
@@ -87,15 +88,26 @@ class Plan:
         """Whether the graph's shapes are fully known (then peaks do not depend on a batch)."""
         return self.batch is None
 
-    def peak_at(self, batch: int, plain: bool = False) -> int:
+    def peak_at(self, batch: int, plain: bool = False, in_step: bool = False) -> int:
         """Predicted peak bytes when the graph is fed at ``batch`` (every unknown
         dimension counted as ``batch``): of this plan, or of plain ``tf.gradients``
-        (``plain=True``).  On a graph without unknown dimensions, the same at every batch.
-        ValueError unless ``batch`` is a positive integer."""
+        (``plain=True``); with the gradients fetched (as ``predicted_peak_bytes``), or
+        with ``in_step=True`` in a training step that applies each as it is made (as
+        ``in_step_peak_bytes``).  On a graph without unknown dimensions, the same at
+        every batch.  ValueError unless ``batch`` is a positive integer."""
         batch_lib.checked_batch(batch)
         if self._model is None:
+            if in_step:
+                return self.in_step_baseline_peak_bytes if plain else self.in_step_peak_bytes
             return self.baseline_peak_bytes if plain else self.predicted_peak_bytes
-        return self._model.peak_at(batch, plain)
+        return (self._in_step_model if in_step else self._model).peak_at(batch, plain)
+
+    @functools.cached_property
+    def _in_step_model(self) -> batch_lib.PeakModel:
+        """:attr:`_model` with each gradient used as it is made (not fetched)."""
+        model = self._model
+        return batch_lib.PeakModel(model.region, model.ys, model.xs, model.checkpoints,
+                                   fetched=False, stops=model.stops, schedule=model.schedule)
 
     def largest_batch(self, memory_bytes: float, plain: bool = False,
                       fixed_bytes: float = 0, per_example_bytes: float = 0,

@@ -407,3 +407,22 @@ def test_an_unknown_batch_is_planned_as_the_known_one(measure_peak):
     for batch, measured in peaks.items():
         assert abs(plans[batch].predicted_peak_bytes / measured - 1) <= 0.10, (
             batch, plans[batch].predicted_peak_bytes / MIB, measured / MIB)
+
+
+def test_peak_at_gives_the_in_step_peak_at_any_batch(graph):
+    """``peak_at(batch, in_step=True)``: the peak of a training step that applies each
+    gradient as it is made, at any batch; at the plan's own batch it is
+    ``in_step_peak_bytes``, and it never exceeds the fetched figure."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 256])
+    h = x
+    for i in range(16):
+        h = tf.tanh(h @ tf.Variable(tf.ones([256, 256]) * 0.01, name=f"w{i}"))
+    loss = tf.reduce_sum(h * h)
+    plan = msg.plan(loss, tf.compat.v1.trainable_variables(), checkpoints="memory",
+                    batch_size=512)
+    assert plan.batch == 512 and plan.checkpoints
+    assert plan.peak_at(512, in_step=True) == plan.in_step_peak_bytes
+    assert plan.peak_at(512, plain=True, in_step=True) == plan.in_step_baseline_peak_bytes
+    for batch in (8, 64, 4096):
+        assert plan.peak_at(batch, in_step=True) <= plan.peak_at(batch)
+        assert plan.peak_at(batch, plain=True, in_step=True) <= plan.peak_at(batch, plain=True)
