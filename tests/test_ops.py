@@ -119,6 +119,18 @@ def test_rectifier_gradients_differentiated_again_read_only_the_features(op_type
     assert graph_lib.gradient_reads(out.op) == ((features,), ())
 
 
+def _forward_reads(grads, before: set) -> list:
+    """``(op, tensor)``: what the gradient ops on a path to ``grads`` (those grappler
+    keeps) read of the ops in ``before``."""
+    needed, stack = set(), [g.op for g in grads]
+    while stack:
+        op = stack.pop()
+        if op not in needed and op not in before:
+            needed.add(op)
+            stack.extend(t.op for t in op.inputs)
+    return [(op, t) for op in needed for t in op.inputs if t.op in before]
+
+
 @pytest.mark.parametrize("op_type", sorted(ops.GRADIENT_READS_DIVISOR))
 @pytest.mark.parametrize("divisor_needs_gradient", [False, True])
 def test_division_gradients_read_the_dividend_only_for_the_divisors(op_type, divisor_needs_gradient):
@@ -134,13 +146,7 @@ def test_division_gradients_read_the_dividend_only_for_the_divisors(op_type, div
         before = set(graph.get_operations())
         wanted = [x, y] if divisor_needs_gradient else [x]
         grads = tf.compat.v1.gradients(out, wanted, grad_ys=tf.ones([4, 8]))
-        needed, stack = set(), [g.op for g in grads]
-        while stack:
-            op = stack.pop()
-            if op not in needed and op not in before:
-                needed.add(op)
-                stack.extend(t.op for t in op.inputs)
-        read = {t.ref() for op in needed for t in op.inputs if t.op in before and t.op is not out.op}
+        read = {t.ref() for _, t in _forward_reads(grads, before) if t.op is not out.op}
     expected = {x.ref(), y.ref()} if divisor_needs_gradient else {y.ref()}
     assert read == expected
     found = graph_lib.gradient_reads(out.op, lambda t: t.ref() in {w.ref() for w in wanted})
@@ -175,15 +181,9 @@ def test_rearrangement_gradients_read_no_values(op_type):
         x = tf.compat.v1.placeholder(tf.float32, [4, 8, 8, 4], name="x")
         out = _REARRANGEMENTS[op_type](x)
         before = set(graph.get_operations())
-        (grad,) = tf.compat.v1.gradients(out, [x], grad_ys=tf.ones(out.shape))
-        needed, stack = set(), [grad.op]
-        while stack:
-            op = stack.pop()
-            if op not in needed and op not in before:
-                needed.add(op)
-                stack.extend(t.op for t in op.inputs)
-        read = {t.name for op in needed if op.type not in ops.SHAPE_ONLY_READERS
-                for t in op.inputs if t.op in before and t.dtype.is_floating}
+        grads = tf.compat.v1.gradients(out, [x], grad_ys=tf.ones(out.shape))
+        read = {t.name for op, t in _forward_reads(grads, before)
+                if op.type not in ops.SHAPE_ONLY_READERS and t.dtype.is_floating}
     assert out.op.type == op_type and op_type in ops.GRADIENT_READS_NOTHING
     assert read == set(), read
     assert graph_lib.gradient_reads(out.op) == ((), ())
