@@ -326,6 +326,30 @@ def test_tape_accessors():
     assert shim.tape_is_persistent(persistent)
 
 
+def test_outer_differentiators_are_seen_in_a_traced_function():
+    """``recorded_by_an_outer_differentiator``: (a recording tape watches the tensors,
+    a forward accumulator carries their tangents), inside a ``tf.function``."""
+    w = tf.Variable(tf.ones([3, 3]))
+    seen = {}
+
+    @tf.function
+    def step(x):
+        y = tf.reduce_sum(tf.tanh(x @ w))
+        seen["none"] = shim.recorded_by_an_outer_differentiator([y])
+        with tf.GradientTape():
+            y = tf.reduce_sum(tf.tanh(x @ w))
+            seen["tape"] = shim.recorded_by_an_outer_differentiator([y])
+            seen["tape, unwatched"] = shim.recorded_by_an_outer_differentiator([x * 2.0])
+        with tf.autodiff.ForwardAccumulator([w], [tf.ones([3, 3])]):
+            y = tf.reduce_sum(tf.tanh(x @ w))
+            seen["accumulator"] = shim.recorded_by_an_outer_differentiator([y])
+        return y
+
+    step(tf.ones([2, 3]))
+    assert seen == {"none": (False, False), "tape": (True, False),
+                    "tape, unwatched": (False, False), "accumulator": (False, True)}
+
+
 def test_first_trace_internals_of_tf_function():
     assert shim.FIRST_TRACE_CODE is not None
     seen = []
