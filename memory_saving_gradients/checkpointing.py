@@ -160,11 +160,13 @@ def _gradients(
             if chosen is None:
                 return tf_gradients(ys, xs, grad_ys, **options)
             _warn_unmodelled_workspaces(problem.region)
-            _warn_other_backward(problem)
+            other_backward = _other_backward_note(problem)
+            _warn_other_backward(problem.graph, other_backward)
             logger.debug("checkpoints: %s", [t.name for t in chosen])
             # the plan is made before the rewrite: it describes the forward graph as the
             # planner saw it, not one with the backward pass added
-            made_plan = (_plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops)
+            made_plan = (_plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops,
+                                  other_backward)
                          if reporting.wanted() else None)
             with tf.name_scope(name or "gradients"):
                 results = _backprop(_Request(
@@ -254,7 +256,8 @@ def _stop_list(stop_gradients) -> list:
     return _tensor_list(stop_gradients, "stop_gradients")
 
 
-def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=()) -> planning.Plan:
+def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=(),
+             other_backward: tuple | None = None) -> planning.Plan:
     """The :class:`Plan` of ``chosen`` (and ``stop_gradients=stops``); its figures are
     remembered with the checkpoints (:mod:`.memo`), so that a retrace predicts nothing
     again."""
@@ -281,7 +284,7 @@ def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=()) 
         made = memo.remembered_plan(key + _stops_key(stops, problem.region) + (stated,), chosen,
                                     make, schedule)
     # not remembered with the plan: it depends on the graph around the region
-    note = _other_backward_note(problem)
+    note = _other_backward_note(problem) if other_backward is None else other_backward
     return dataclasses.replace(made, assumptions=made.assumptions + note) if note else made
 
 
@@ -479,14 +482,12 @@ def _say_outer_differentiator(problem, outer: str) -> None:
 _warned_other_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 
 
-def _warn_other_backward(problem) -> None:
-    """Once per graph: a rewrite whose forward pass another backward pass also reads (a
-    GAN's two tapes) is planned without it, and was measured to save nothing there."""
-    if problem.graph in _warned_other_backward:
-        return
-    note = _other_backward_note(problem)
-    if note:
-        _warned_other_backward.add(problem.graph)
+def _warn_other_backward(graph: tf.Graph, note: tuple) -> None:
+    """Once per graph, the ``note`` of :func:`_other_backward_note`: a rewrite whose forward
+    pass another backward pass also reads (a GAN's two tapes) is planned without it, and
+    was measured to save nothing there."""
+    if note and graph not in _warned_other_backward:
+        _warned_other_backward.add(graph)
         logger.warning("%s. On a small GAN, checkpointing either tape or both measured within "
                        "the step's run-to-run spread of plain: measure the step "
                        "(peak_memory_during).", note[0])

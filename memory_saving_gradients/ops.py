@@ -141,6 +141,11 @@ GRADIENT_READS_OTHER_INPUT = frozenset({
     "Conv3D", "DepthwiseConv2dNative",
 })
 
+#: Max pools whose oneDNN kernel records the position of each output's maximum in a
+#: workspace of one byte per output element, freed when the kernel returns (measured:
+#: 0.25 MB beside a 1 MB float32 output; :mod:`.workspace`).
+ONEDNN_MAX_POOLS = frozenset({"MaxPool", "MaxPoolV2"})
+
 #: Divisions ``x / y``: the gradient for ``x`` reads ``y``; the one for ``y`` reads ``x``
 #: and ``y``.  ``x`` is read only if ``y`` needs a gradient (attention scores divided by a
 #: constant are not held for it: grappler prunes the unused half).

@@ -20,11 +20,12 @@ last read; what they are made from, briefly live then, is not.
 Sizes come from static shapes; an unknown dimension counts as
 ``unknown_dim`` and the prediction lists it among its assumptions.
 A kernel's workspace counts at its step where :mod:`.workspace` knows it (an
-einsum's transposed copies of its operands and product); others (convolution
-scratch without oneDNN) and the parallelism of the executor are not modelled;
-the slack this leaves is measured in the tests.  Where the rewrite lets the executor run a gradient later than this
-order (:func:`step_order`), the model counts what it reads as held until the
-latest point the rewrite allows, and allows it only under the peak.
+einsum's transposed copies of its operands and product, a oneDNN max pool's
+positions); others (convolution scratch without oneDNN) and the parallelism of
+the executor are not modelled; the slack this leaves is measured in the tests.
+Where the rewrite lets the executor run a gradient later than this order
+(:func:`step_order`), the model counts what it reads as held until the latest
+point the rewrite allows, and allows it only under the peak.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Kernel workspaces: bytes a kernel allocates besides its outputs, freed when it returns.
 
-Layer: analysis (read-only, pure); imports: _tensorflow (whether oneDNN is on).
+Layer: analysis (read-only, pure); imports: ops, _tensorflow (whether oneDNN is on).
 
 The memory model counts each op's outputs from the step that makes them; a
 kernel that copies its operands into scratch buffers holds more while it runs.
@@ -28,6 +28,7 @@ import dataclasses
 import math
 from typing import Callable, Sequence
 
+from . import ops as op_types
 from ._tensorflow import onednn_enabled, tf
 
 # EinsumHelper's dimension types, in the order the kernel sorts operand axes by.
@@ -188,16 +189,10 @@ def _equation(op: tf.Operation) -> str | None:
     return equation.decode() if isinstance(equation, bytes) else equation
 
 
-#: Max pools whose oneDNN kernel records the position of each output's maximum in a
-#: workspace of one byte per output element, freed when the kernel returns (measured:
-#: 0.25 MB beside a 1 MB float32 output).
-ONEDNN_MAX_POOLS = frozenset({"MaxPool", "MaxPoolV2"})
-
-
 def forward_bytes(op: tf.Operation, size: Callable[[tf.Tensor], int],
                   shape: Callable[[tf.Tensor], list | None]) -> int:
     """Scratch bytes ``op``'s kernel holds while it runs (0 for an op not modelled)."""
-    if op.type in ONEDNN_MAX_POOLS and op.outputs and onednn_enabled():
+    if op.type in op_types.ONEDNN_MAX_POOLS and op.outputs and onednn_enabled():
         output = op.outputs[0]
         return size(output) // max(1, output.dtype.size)
     if op.type != "Einsum" or not op.outputs:
