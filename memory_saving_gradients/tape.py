@@ -213,9 +213,27 @@ def checkpointed_gradient(
             None if g is None else tf.convert_to_tensor(g)
             for g in tf.nest.flatten(output_gradients)
         ]
+    on_tape = [i for i, (value, y) in enumerate(zip(flat_targets, ys))
+               if is_variable(value) or _on_tape(y, recording)]
+    if len(on_tape) < len(ys):
+        logger.debug("memory_saving_gradients: %d target(s) made outside the tape give "
+                     "no gradient, as the tape's own", len(ys) - len(on_tape))
+        ys = [ys[i] for i in on_tape]
+        grad_ys = None if grad_ys is None else [grad_ys[i] for i in on_tape]
+        if not ys:
+            reporting.left_plain(config.record, "every target was made outside the tape "
+                                 "(computed after its with block?), so no gradient, as "
+                                 "tf.GradientTape gives none", graph)
     results = _source_gradients(config, ys, grad_ys, flat_sources, recording, watched,
                                 unconnected_gradients)
     return tf.nest.pack_sequence_as(sources, results)
+
+
+def _on_tape(target: tf.Tensor, recording: _Recording) -> bool:
+    """Whether the tape differentiates from ``target``: an op it recorded made it, or it
+    watched it.  A target made outside the tape (a loss computed after the ``with``
+    block) gives no gradient, as with ``tf.GradientTape``."""
+    return recording.recorded(target.op) or target.ref() in recording.watched
 
 
 def _source_gradients(config: Config, ys: list, grad_ys, flat_sources: list,
@@ -224,7 +242,7 @@ def _source_gradients(config: Config, ys: list, grad_ys, flat_sources: list,
     None (zeros with ``unconnected_gradients='zero'``) where the tape gives none."""
     connected, xs = _recorded_sources(flat_sources, recording, watched)
     results = [None] * len(flat_sources)
-    if xs:
+    if xs and ys:
         options = dict(config.options)
         with reporting.recording(config.record):
             grads = _checkpointed_gradients(
@@ -232,7 +250,7 @@ def _source_gradients(config: Config, ys: list, grad_ys, flat_sources: list,
                 xs,
                 grad_ys,
                 checkpoints=config.checkpoints,
-                stop_gradients=_unrecorded_inputs(recording, ys[0].graph, xs) or None,
+                stop_gradients=_unrecorded_inputs(recording, ys, xs) or None,
                 unconnected_gradients=unconnected_gradients,
                 **options,
             )
@@ -346,14 +364,17 @@ def _recorded_sources(flat_sources: list, recording: _Recording, watched: set) -
     return connected, xs
 
 
-def _unrecorded_inputs(recording: _Recording, graph, xs) -> list:
-    """Tensors that recorded ops read but that were made outside the tape.
+def _unrecorded_inputs(recording: _Recording, ys: list, xs) -> list:
+    """Tensors that recorded ops read, or targets the tape watched, made outside the tape.
 
     The tape does not differentiate through them, so neither do we: they go
     to ``stop_gradients`` (minus the xs themselves).
     """
+    graph = ys[0].graph
     x_refs = {x.ref() for x in xs if isinstance(x, tf.Tensor)}
-    stops: dict = {}
+    stops: dict = {y.ref(): y for y in ys
+                   if y.ref() in recording.watched and y.ref() not in x_refs
+                   and graph_lib.carries_gradient(y) and not recording.recorded(y.op)}
     ops = graph.get_operations()
     for first, last in recording.ranges:
         for op in ops[_index_of_id(ops, first):]:

@@ -229,6 +229,43 @@ def test_unconnected_zero_stop_recording_and_unwatched(weights, x):
     assert float(tf.reduce_max(tf.abs(got[1]))) == 0.0
 
 
+
+@pytest.mark.parametrize("case", ["loss_after_the_block", "one_target_after_the_block",
+                                  "watched_target", "target_before_reset"])
+def test_targets_made_outside_the_tape_give_what_the_plain_tape_gives(weights, x, case):
+    """The tape differentiates from a target only where it recorded the target's op or
+    watched the target: a loss computed after the ``with`` block gives None (plain
+    Keras then says "no gradients"), and so must ours, not tf.gradients' values."""
+
+    def body(x):
+        with tf.GradientTape(persistent=case == "target_before_reset") as tape:
+            tape.watch(x)
+            h = x
+            for w in weights:
+                h = tf.tanh(tf.matmul(h, w))
+            inside = tf.reduce_sum(h * h)
+            if case == "target_before_reset":
+                tape.reset()
+                inside_after_reset = inside * 2.0 + tf.reduce_sum(weights[-1])
+        outside = tf.reduce_sum(h * h)
+        if case == "loss_after_the_block":
+            targets = outside
+        elif case == "one_target_after_the_block":
+            targets = [inside, tf.reduce_sum(weights[0])]  # the second: made after the block
+        elif case == "watched_target":
+            targets = [outside, x]  # x watched: its own gradient is ones, nothing else
+        else:
+            targets = [inside, inside_after_reset]
+        return tape.gradient(targets, weights + [x])
+
+    want, got, _ = _both(body, x)
+    _close(got, want)
+    if case == "loss_after_the_block":
+        assert all(g is None for g in got)
+    if case == "watched_target":
+        assert all(g is None for g in got[:-1])
+        np.testing.assert_array_equal(got[-1], np.ones_like(x))
+
 def test_nested_tapes_gradient_penalty_and_hessian_vector_product(weights, x):
     def penalty(x):
         with tf.GradientTape() as outer:
