@@ -663,13 +663,24 @@ class _Gradients:
     def finish(self, keep: bool = True, results=None) -> None:
         """Gradients never consumed (those of xs): fetched (kept to the end) or used at once.
 
+        An x read by several ops (a weight shared by the steps of an unrolled loop)
+        gets one gradient from each; ``tf.gradients`` sums them when the last is made,
+        so every one is held until then, and the sum is what is fetched or used.
         ``results``: refs of the tensors whose gradients are the results (all, if
         None); the others (a ``stop_gradients`` tensor's) are read by nothing."""
         for ref, keys in self.pending.items():
             fetched = keep and (results is None or ref in results)
-            for key in keys:
-                buffer = self.timeline.buffers[key]
-                buffer[1] = _END if fetched else buffer[0]
+            buffers = [self.timeline.buffers[key] for key in keys]
+            summed = max(buffer[0] for buffer in buffers)
+            for buffer in buffers:
+                buffer[1] = summed
+            if len(buffers) == 1:
+                buffers[0][1] = _END if fetched else summed
+            elif fetched:
+                sizes = {buffer[2] for buffer in buffers}
+                total = sizes.pop() if len(sizes) == 1 else sum(b[2] for b in buffers)
+                self.timeline.alloc(("sum", ref), total, summed)
+                self.timeline.buffers[("sum", ref)][1] = _END
 
 
 def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=lambda k: k):

@@ -330,8 +330,9 @@ def test_a_function_traced_again_says_so_and_two_gradients_in_one_trace_do_not(c
     def two_gradients(x, y):
         with tf.GradientTape(persistent=True) as tape:
             loss = tf.reduce_mean(tf.square(model(x) - y))
+            doubled = 2.0 * loss  # recorded: a target made after the block gives None
         first = tape.gradient(loss, model.trainable_variables)
-        return first, tape.gradient(2.0 * loss, model.trainable_variables)
+        return first, tape.gradient(doubled, model.trainable_variables)
 
     with caplog.at_level(logging.INFO, logger=LOGGER):
         with msg.patched("memory") as handle:
