@@ -684,10 +684,11 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
     else:
         any_batch = unknown_dim is None
         at = batch_lib.PLANNING_BATCHES[-1] if any_batch else unknown_dim
+        unit = "batch" if graph_lib.batch_is_unknown(region) else "size"
         baseline = simulate.predict_baseline(region, ys, xs, at, fetched=False)
-        at_batch = f" at batch {at}" if unknown and any_batch else ""
+        at_batch = f" at {unit} {at}" if unknown and any_batch else ""
         lower = ("that lowers the peak by more than "
-                 f"{strategies.LEAST_PEAK_TOLERANCE:.0%} at every batch it plans for, against"
+                 f"{strategies.LEAST_PEAK_TOLERANCE:.0%} at every {unit} it plans for, against"
                  if unknown and any_batch else "with a lower peak than")
         why = (
             f"the memory model predicts no set of checkpoints {lower} "
@@ -696,9 +697,9 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
             f"({len(region.ops)} ops between xs and ys; {_why_nothing_helps(region)})"
         )
         if unknown and any_batch:
-            why += (f"; unknown dimensions ({unknown}) were planned for every batch, "
+            why += (f"; unknown dimensions ({unknown}) were planned for every {unit}, "
                     f"judged at {batch_lib.describe_range()} (the figure is at "
-                    f"{at}): pass batch_size=N to plan for one batch")
+                    f"{at}): pass batch_size=N to plan for one {unit}")
         elif unknown and stated:
             why += f"; unknown dimensions ({unknown}) were counted as batch_size={unknown_dim}"
         elif unknown:

@@ -102,6 +102,13 @@ class Plan:
             return self.baseline_peak_bytes if plain else self.predicted_peak_bytes
         return (self._in_step_model if in_step else self._model).peak_at(batch, plain)
 
+    def ratios_by_batch(self, in_step: bool = False) -> tuple:
+        """``((batch, predicted peak over plain's), ...)`` at the batches the planner
+        judges (``batch.PLANNING_BATCHES``); see :meth:`peak_at`."""
+        return tuple((b, self.peak_at(b, in_step=in_step)
+                      / max(self.peak_at(b, plain=True, in_step=in_step), 1))
+                     for b in batch_lib.PLANNING_BATCHES)
+
     @functools.cached_property
     def _in_step_model(self) -> batch_lib.PeakModel:
         """:attr:`_model` with each gradient used as it is made (not fetched)."""

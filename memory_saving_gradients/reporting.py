@@ -186,12 +186,22 @@ def rewrote(plan: Plan, graph: tf.Graph) -> None:
                f"is made)" if plan.in_step_differs() else "")
     logger.info(
         "memory_saving_gradients: rewrote the gradients of %s%s: checkpoints=%r, %d "
-        "checkpoints, predicted peak %.2f MB vs %.2f MB plain (%.2fx)%s, recomputation "
+        "checkpoints, predicted peak %.2f MB vs %.2f MB plain (%.2fx)%s%s, recomputation "
         "%.2f of a forward pass",
         what, again, plan.strategy, len(plan.checkpoints),
         plan.predicted_peak_bytes / mb, plan.baseline_peak_bytes / mb, plan.predicted_ratio,
-        in_step, plan.recompute_cost,
+        in_step, _at_batch(plan), plan.recompute_cost,
     )
+
+
+def _at_batch(plan: Plan) -> str:
+    """Where the graph has unknown sizes: the size the figures are at, and the step's
+    ratio at the planning batches (``Plan.peak_at`` gives any other)."""
+    if plan.batch is None:
+        return ""
+    ratios = ", ".join(f"{b}: {ratio:.2f}x" for b, ratio in plan.ratios_by_batch(in_step=True))
+    return (f" at an unknown size counted as {plan.batch} (in a step, by batch: {ratios}; "
+            f"Plan.peak_at(batch) for the batch you feed)")
 
 
 def function_ran(record: Record, graph: tf.Graph) -> None:

@@ -285,6 +285,30 @@ def _assert_reported(handle, lines, where):
     assert f"{len(plan.checkpoints)} checkpoints" in lines[0]
     assert f"{plan.predicted_peak_bytes / 2**20:.2f} MB vs {plan.baseline_peak_bytes / 2**20:.2f}"\
         in lines[0]
+    assert ("unknown size" in lines[0]) == (plan.batch is not None), lines[0]
+
+
+def test_the_info_line_of_an_unknown_batch_says_at_which_batch_its_figures_are(caplog):
+    """Its figures are at the batch the plan counts (32 unless batch_size= says), and
+    the ratio in a step at the batches the planner judges follows."""
+    model = _keras3_model()
+
+    @tf.function(input_signature=[tf.TensorSpec([None, WIDTH]), tf.TensorSpec([None, 1])])
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        return tape.gradient(loss, model.trainable_variables)
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        with msg.patched("memory") as handle:
+            step.get_concrete_function()
+    (line,) = _rewrite_lines(caplog)
+    (plan,) = handle.plans
+    assert plan.batch is not None, str(plan)
+    assert f"at an unknown size counted as {plan.batch} " in line, line
+    for b, ratio in plan.ratios_by_batch(in_step=True):
+        assert f"{b}: {ratio:.2f}x" in line, line
+    assert ratio < 1.0, line  # the largest batch: activations dominate, the plan saves
 
 
 @pytest.mark.slow

@@ -302,6 +302,10 @@ def test_an_unknown_sequence_length_is_not_called_the_batch():
         with pytest.raises(ValueError, match="cannot be met at any batch size: what is fed is "
                            "fully known, but sizes made in the graph are not"):
             msg.plan(tf.reduce_sum(h), [w], checkpoints="memory", memory_budget=2**10)
+        with pytest.warns(msg.NothingKeptWarning) as caught:  # the loop alone: kept whole
+            msg.gradients(tf.reduce_sum(array.stack()), [w], checkpoints="memory")
+        said = str(caught[0].message)
+        assert "planned for every size" in said and "batch" not in said.split("(")[0], said
     with tf.Graph().as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 16])
         weights = [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 1])) for i in range(6)]
