@@ -29,6 +29,7 @@ The library itself never calls through these names: it uses TensorFlow's own
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import importlib
@@ -38,7 +39,7 @@ import threading
 from typing import Any, Callable, ContextManager, Iterator, Union
 
 from . import _tensorflow as _tf_internals
-from . import reporting, tape_hooks
+from . import reporting, strategies, tape_hooks
 from . import tape as tape_lib
 from ._tensorflow import tf
 from .checkpointing import Checkpoints, check_arguments
@@ -330,10 +331,7 @@ def patch(checkpoints: PatchCheckpoints = "memory", tape: bool = True, **options
       :class:`~memory_saving_gradients.Plan` of every backward pass rewritten
       meanwhile; ``undo()`` warns if there was none.
     """
-    if isinstance(checkpoints, tf.Tensor):
-        checkpoints = [checkpoints]
-    elif not isinstance(checkpoints, str):
-        checkpoints = list(checkpoints)
+    checkpoints = _as_checkpoints(checkpoints)
     _check(checkpoints, tape, options)
     handle = Patch(checkpoints, options, tape)
     with _lock:
@@ -352,12 +350,23 @@ def patched(checkpoints: PatchCheckpoints = "memory", tape: bool = True,
     Bad arguments raise here, when it is called; ``handle.plans`` lists what
     was rewritten in the block.
     """
-    if isinstance(checkpoints, tf.Tensor):
-        checkpoints = [checkpoints]
-    elif not isinstance(checkpoints, str):
-        checkpoints = list(checkpoints)
+    checkpoints = _as_checkpoints(checkpoints)
     _check(checkpoints, tape, options)
     return _patched(checkpoints, tape, options)
+
+
+def _as_checkpoints(checkpoints: Any) -> str | list:
+    """A strategy name as it is, one tensor or an iterable of them as a list; TypeError
+    for anything else (``None``, a number)."""
+    if isinstance(checkpoints, tf.Tensor):
+        return [checkpoints]
+    if isinstance(checkpoints, str):
+        return checkpoints
+    if not isinstance(checkpoints, collections.abc.Iterable):
+        raise TypeError(
+            f"checkpoints must be a strategy name {strategies.available()} or a list of "
+            f"tensors; got {type(checkpoints).__name__}.")
+    return list(checkpoints)
 
 
 @contextlib.contextmanager

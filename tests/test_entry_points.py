@@ -119,6 +119,14 @@ def test_a_mistake_raises_at_the_call_with_the_message_of_gradients(entry, argum
     assert _nothing_patched()
 
 
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("checkpoints", [None, 3])
+def test_checkpoints_neither_a_name_nor_tensors_is_a_type_error_that_says_so(entry, checkpoints):
+    with pytest.raises(TypeError, match="takes a strategy name|must be a strategy name"):
+        ENTRY_POINTS[entry](dict(checkpoints=checkpoints))
+    assert _nothing_patched()
+
+
 def test_keras_enable_that_raises_leaves_the_model_as_it_was():
     model = _keras3_model()
     with pytest.raises(ValueError, match="memroy"):
