@@ -144,13 +144,13 @@ def _gradients(
     )
     unconnected = tf.UnconnectedGradients(unconnected_gradients)
     with _inside_gradients:
-        problem = _prepare(ys, xs)
+        problem = _prepare(ys, xs, stop_gradients)
         outer = _outer_differentiator(problem)
         if outer is not None:
             _say_outer_differentiator(problem, outer)
             return tf_gradients(ys, xs, grad_ys, **options)
         with problem.graph.as_default(), _remembered_backward(problem):
-            stops = _stop_list(stop_gradients)
+            stops = problem.stops
             grad_ys_list = _grad_ys_list(grad_ys, problem.ys)
             chosen = choose_checkpoints(
                 checkpoints, problem.ys, problem.xs, problem.region, problem.graph,
@@ -238,10 +238,10 @@ def plan(
     if tf.executing_eagerly():
         raise RuntimeError("plan() works on graphs: call it inside a tf.function or a v1 graph.")
     check_arguments(checkpoints, dict(memory_budget=memory_budget, batch_size=batch_size))
-    problem = _prepare(ys, xs)
+    problem = _prepare(ys, xs, stop_gradients)
     _grad_ys_list(grad_ys, problem.ys)
+    stops = problem.stops
     with problem.graph.as_default():
-        stops = _stop_list(stop_gradients)
         chosen = choose_checkpoints(
             checkpoints, problem.ys, problem.xs, problem.region, problem.graph,
             memory_budget, batch_size,
@@ -499,17 +499,21 @@ class _Problem:
     ys: list
     xs: list
     region: graph_lib.ForwardRegion
+    stops: list
 
 
-def _prepare(ys, xs) -> _Problem:
-    """Checked ys and xs (as graph tensors) and the forward region between them."""
+def _prepare(ys, xs, stop_gradients=None) -> _Problem:
+    """Checked ys, xs and ``stop_gradients`` (as graph tensors) and the forward region
+    between xs and ys: the ops a gradient passes through, not those it reaches only
+    through a stop."""
     ys_list = _tensor_list(ys, "ys")
     graph = ys_list[0].graph
     with graph.as_default():
         xs_tensors = _x_tensors(_as_list(xs), graph)
         _check_same_graph(ys_list + xs_tensors, graph, "ys and xs", ys_list)
-        region = graph_lib.forward_region(ys_list, xs_tensors)
-    return _Problem(graph, ys_list, xs_tensors, region)
+        stops = _stop_list(stop_gradients)
+        region = graph_lib.forward_region(ys_list, xs_tensors, stops)
+    return _Problem(graph, ys_list, xs_tensors, region, stops)
 
 
 _GRADIENTS_SIGNATURE = inspect.signature(gradients)
@@ -590,10 +594,17 @@ def choose_checkpoints(
     if not region.ops:  # no op between xs and ys: plain tf.gradients, as a strategy would
         notices.warn(
             f"checkpoints (a list of {len(given)}) keeps nothing: ys do not depend on xs "
-            "through any op. Using plain tf.gradients (no memory is saved).",
+            "through any op (that stop_gradients leaves). Using plain tf.gradients (no "
+            "memory is saved).",
             notices.NothingKeptWarning)
         return None
     usable = usable_checkpoints(outer, ys, xs, region)
+    if not usable and usable_checkpoints(outer, ys, xs, graph_lib.forward_region(ys, xs)):
+        notices.warn(
+            f"checkpoints (a list of {len(given)}) keeps nothing: each lies where "
+            "stop_gradients cuts the gradient off, where nothing is differentiated. Using "
+            "plain tf.gradients (no memory is saved).", notices.NothingKeptWarning)
+        return None
     if not usable:
         inside = (f" {len(nested)} of them lie inside the body of a tf.while_loop, tf.cond "
                   f"or function ({[t.name for t in nested][:5]}), which is kept whole, never "

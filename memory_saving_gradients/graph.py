@@ -671,8 +671,11 @@ class ForwardRegion:
         return {op: tuple((t, t.ref()) for t in op.inputs) for op in self.order}
 
 
-def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardRegion:
-    """Ops reachable from ``xs`` through data edges that also reach some of ``ys``."""
+def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
+                   stops: Sequence[tf.Tensor] = ()) -> ForwardRegion:
+    """Ops reachable from ``xs`` through data edges that also reach some of ``ys``
+    other than through one of ``stops`` (``stop_gradients``: no gradient passes them)."""
+    stopped = {t.ref() for t in stops}
     reached_from_xs: set = set()
     stack = [consumer for x in xs for consumer in x.consumers()]
     while stack:
@@ -683,13 +686,14 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> ForwardR
         for output in op.outputs:
             stack.extend(output.consumers())
     region: set = set()
-    stack = [y.op for y in ys if y.op in reached_from_xs]
+    stack = [y.op for y in ys if y.op in reached_from_xs and y.ref() not in stopped]
     while stack:
         op = stack.pop()
         if op in region:
             continue
         region.add(op)
-        stack.extend(t.op for t in op.inputs if t.op in reached_from_xs)
+        stack.extend(t.op for t in op.inputs
+                     if t.op in reached_from_xs and t.ref() not in stopped)
     return ForwardRegion(frozenset(region), tuple(sorted(region, key=op_order)))
 
 
