@@ -680,7 +680,10 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
     ``batch_size=``)."""
     plain_fits = memory_budget is not None and simulate.predict_baseline(
         region, ys, xs, unknown_dim, fetched=True).peak_bytes <= memory_budget
-    if not region.ops:
+    if not any(graph_lib.carries_gradient(y) for y in ys):
+        why = (f"no y can carry a gradient (dtype {ys[0].dtype.name}: an argmax, a cast to "
+               "integers), so tf.gradients gives None for every x too")
+    elif not region.ops:
         why = "ys do not depend on xs through any op"
     elif checkpoints == "collection":
         why = (f"the collection {strategies.COLLECTION_NAME!r} holds no tensor between "

@@ -674,7 +674,8 @@ class ForwardRegion:
 def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
                    stops: Sequence[tf.Tensor] = ()) -> ForwardRegion:
     """Ops reachable from ``xs`` through data edges that also reach some of ``ys``
-    other than through one of ``stops`` (``stop_gradients``: no gradient passes them)."""
+    other than through one of ``stops`` (``stop_gradients``: no gradient passes them).
+    A y that cannot carry a gradient (an integer: an argmax) reaches nothing."""
     stopped = {t.ref() for t in stops}
     reached_from_xs: set = set()
     stack = [consumer for x in xs for consumer in x.consumers()]
@@ -686,7 +687,8 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
         for output in op.outputs:
             stack.extend(output.consumers())
     region: set = set()
-    stack = [y.op for y in ys if y.op in reached_from_xs and y.ref() not in stopped]
+    stack = [y.op for y in ys if y.op in reached_from_xs and y.ref() not in stopped
+             and carries_gradient(y)]
     while stack:
         op = stack.pop()
         if op in region:

@@ -105,6 +105,21 @@ def test_some_ys_independent_of_some_xs(g):
     assert all(t is not None for t in expected)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_integer_y_keeps_nothing_and_says_it_carries_no_gradient(g):
+    """An argmax target: tf.gradients gives None for every x; the warning says why (it
+    said the activations were small next to what the backward pass holds)."""
+    x = tf.compat.v1.placeholder(tf.float32, [64, 512])
+    h = x
+    for i in range(6):
+        h = tf.tanh(h @ tf.constant(np.eye(512, dtype=np.float32) * (0.5 + i)))
+    y = tf.argmax(h, axis=1)
+    with pytest.warns(msg.NothingKeptWarning, match="no y can carry a gradient") as caught:
+        got = msg.gradients(y, [x], checkpoints="memory")
+    assert "activations are small" not in str(caught[0].message)
+    assert got == [None] == tf.compat.v1.gradients(y, [x])
+
+
 def test_duplicate_xs(g):
     x = tf.compat.v1.placeholder(tf.float32, [N])
     units = _chain(x, 6)
