@@ -283,6 +283,13 @@ def _rewrite_lines(caplog):
             r.getMessage()]
 
 
+def _tape_gradients(model, x, y):
+    """The gradients of the model's mean squared error, by a tape (trace it in a step)."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    return tape.gradient(loss, model.trainable_variables)
+
+
 def _assert_reported(handle, lines, where):
     assert handle.plans, "no plan recorded"
     assert len(lines) == len(handle.plans), lines
@@ -303,9 +310,7 @@ def test_the_info_line_of_an_unknown_batch_says_at_which_batch_its_figures_are(c
 
     @tf.function(input_signature=[tf.TensorSpec([None, WIDTH]), tf.TensorSpec([None, 1])])
     def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x) - y))
-        return tape.gradient(loss, model.trainable_variables)
+        return _tape_gradients(model, x, y)
 
     with caplog.at_level(logging.INFO, logger=LOGGER):
         with msg.patched("memory") as handle:
@@ -343,9 +348,7 @@ def test_patched_custom_loop_logs_one_info_line_and_keeps_the_plan(caplog):
 
     @tf.function
     def custom_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x) - y))
-        return tape.gradient(loss, model.trainable_variables)
+        return _tape_gradients(model, x, y)
 
     with caplog.at_level(logging.INFO, logger=LOGGER):
         with msg.patched("memory") as handle:
