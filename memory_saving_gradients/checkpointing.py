@@ -429,15 +429,17 @@ _warned_workspaces = False
 
 
 def _warn_unmodelled_workspaces(region) -> None:
-    """Once per process: on CPU without oneDNN, convolution gradients' workspaces are
-    not in the model (and can outweigh what checkpointing saves)."""
+    """Once per process: what the model leaves out and can outweigh what checkpointing
+    saves (convolution gradients' workspaces without oneDNN or in float16 on CPU, the
+    buffers of functions XLA compiles): :func:`simulate.workspace_note`."""
     global _warned_workspaces
     if _warned_workspaces:
         return
     note = simulate.workspace_note(region, onednn_enabled(), gpu_visible())
     if note:
         _warned_workspaces = True
-        logger.warning("%s.", note[0])
+        for line in note:
+            logger.warning("%s.", line)
 
 
 def _no_library_tapes() -> bool:

@@ -31,6 +31,9 @@ CONTROL_FLOW = V1_CONTROL_FLOW | frozenset({
     "SymbolicGradient", "TPUPartitionedCall",
 })
 
+#: Calls of a ``tf.function`` (a ``FunctionDef`` of the graph's library).
+FUNCTION_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
 # -- aliases: ops whose output is their input's buffer ------------------------------
 
 #: Output is the first input's value: grappler removes them and hands their consumers

@@ -414,27 +414,46 @@ def workspace_note(region: graph_lib.ForwardRegion, onednn: bool, gpu: bool) -> 
     bfloat16 only (a conv net at batch 16 under Keras' ``mixed_float16``: planned 11.1
     MB, measured 37.6; under ``mixed_bfloat16`` 12.0).
     """
+    xla = _xla_call_note(region)
     if gpu:
-        return ()
+        return xla
     convolutions = [op for op in region.order if op.type in CONVOLUTION_OP_TYPES]
     if onednn:
         convolutions = [op for op in convolutions
                         if op.outputs and op.outputs[0].dtype == tf.float16]
     if not convolutions:
-        return ()
+        return xla
     count = len(convolutions)
     if not onednn:
-        return (
+        return xla + (
             f"oneDNN is off (TF_ENABLE_ONEDNN_OPTS): TensorFlow's CPU gradients of the {count} "
             "convolutions allocate transient workspaces (measured 14-27 MB per op at batch 8) "
             "that these peaks leave out; set TF_ENABLE_ONEDNN_OPTS=1 before importing "
             "TensorFlow (docs/where-it-works.md)",
         )
-    return (
+    return xla + (
         f"{count} convolution(s) compute in float16, which oneDNN's CPU kernels do not take: "
         "TensorFlow's own gradients of them allocate transient workspaces (a conv net at "
         "batch 16: planned 11.1 MB, measured 37.6) that these peaks leave out; on CPU use "
         "bfloat16 (Keras' mixed_bfloat16) instead (docs/where-it-works.md)",
+    )
+
+
+def _xla_call_note(region: graph_lib.ForwardRegion) -> tuple:
+    """A line for ``Plan.assumptions`` where the forward pass calls functions that XLA
+    compiles (``_XlaMustCompile``: Keras 3 runs a grouped or depthwise ``Conv2D`` so on
+    CPU): what XLA allocates inside them, and in their gradients, is not modelled.  A
+    Keras ``Conv2D(768, 7, groups=768)`` on a 4x2x2x768 input: its gradient step measured
+    256 MB for a 0.14 MB filter; a Keras ConvNeXtTiny step 324 MB against 141 predicted."""
+    calls = [op for op in region.order if op.type in op_types.FUNCTION_CALLS
+             and "_XlaMustCompile" in op.node_def.attr and op.get_attr("_XlaMustCompile")]
+    if not calls:
+        return ()
+    return (
+        f"{len(calls)} op(s) call functions that XLA compiles (e.g. {calls[0].name}: Keras "
+        "runs grouped and depthwise convolutions so on CPU); the buffers XLA allocates in "
+        "them and in their gradients are not in these peaks (a Keras ConvNeXtTiny step "
+        "measured 324 MB against 141 predicted): measure the step (peak_memory_during)",
     )
 
 
