@@ -705,7 +705,8 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
         at_batch = f" at {unit} {at}" if unknown and any_batch else ""
         lower = ("that lowers the peak by more than "
                  f"{strategies.LEAST_PEAK_TOLERANCE:.0%} at every {unit} it plans for, against"
-                 if unknown and any_batch else "with a lower peak than")
+                 if unknown and any_batch else
+                 f"that lowers the peak by more than {strategies.LEAST_PEAK_TOLERANCE:.0%} below")
         why = (
             f"the memory model predicts no set of checkpoints {lower} "
             f"plain tf.gradients' {baseline.peak_bytes / MIB:.2f} MB{at_batch} (in a step "

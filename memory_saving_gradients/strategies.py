@@ -347,8 +347,8 @@ def _unbudgeted_choice(proposals: _Proposals, trade: bool) -> list:
     """Without a budget: near the least peak (``trade=False``), or the best trade."""
     baseline = proposals.baseline_peak()
     floors, lowest = proposals.floors()
-    if lowest is None or lowest.peak >= baseline:
-        return []
+    if lowest is None or baseline <= lowest.peak * (1 + LEAST_PEAK_TOLERANCE):
+        return []  # plain tf.gradients is near the least peak, and recomputes nothing
     if trade:
         limit = lowest.peak + min(MEMORY_SLACK * lowest.peak,
                                   SAVING_SLACK * (baseline - lowest.peak))
