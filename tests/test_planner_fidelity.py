@@ -200,14 +200,16 @@ def _lstm_step_peak(batch, checkpoints):
 @pytest.mark.filterwarnings("ignore::memory_saving_gradients.NothingKeptWarning")
 def test_weights_read_by_every_step_of_a_loop_hold_their_gradients_until_summed():
     """At batch 32 the recurrent kernel's 16 gradients (256 KB each) outweigh the
-    activations. They are held until the last is made: plain's step measured 5.1 MB,
-    which the model predicted at 2.3 MB when it freed each as it was made; 'memory'
-    then chose a plan that measured 6.2 MB, above plain's. Now the prediction is within
-    10% of the measured step, and no strategy raises the step's peak above plain's by
-    more than the executor's order moves it (5%)."""
+    activations. They are held until the last is made: plain's step measured 4.9-5.3 MB
+    (least of three sessions, in several runs), which the model predicted at 2.3 MB when
+    it freed each as it was made; 'memory' then chose a plan that measured 6.2 MB, above
+    plain's. Now the prediction is within 15% of the measured step (5.25 MB), and no
+    strategy keeps anything here (plain tf.gradients, the same graph as plain's)."""
     plain, the_plan = _lstm_step_peak(32, None)
     summary = f"plain step {plain / MB:.2f} MB;\n{the_plan}"
-    assert abs(the_plan.in_step_baseline_peak_bytes - plain) <= 0.10 * plain, summary
+    assert abs(the_plan.in_step_baseline_peak_bytes - plain) <= 0.15 * plain, summary
     for strategy in ("memory", "balanced"):
-        ours, _ = _lstm_step_peak(32, strategy)
-        assert ours <= 1.05 * plain, f"{strategy}: {ours / MB:.2f} MB; {summary}"
+        with tf.Graph().as_default():
+            loss, weights, _ = _unrolled_lstm(32)
+            chosen = msg.plan(loss, weights, checkpoints=strategy)
+        assert not chosen.checkpoints, f"{strategy}: {chosen}; {summary}"
