@@ -177,6 +177,7 @@ def _gradients(
                 ))
             if made_plan is not None:
                 reporting.rewrote(made_plan, problem.graph)
+                _warn_if_list_raises_the_peak(made_plan)
             return results
 
 
@@ -426,6 +427,22 @@ def _check_option_values(checkpoints, memory_budget, batch_size) -> None:
 
 
 _warned_workspaces = False
+
+
+def _warn_if_list_raises_the_peak(made_plan) -> None:
+    """A WARNING where checkpoints the caller listed are predicted to raise the peak of
+    a training step above plain ``tf.gradients``' (the peak the strategies judge; they
+    never keep such a plan).  Said where the plan is seen (a patch's record, INFO
+    logging)."""
+    limit = 1 + strategies.LEAST_PEAK_TOLERANCE
+    in_step = made_plan.in_step_ratio
+    if made_plan.strategy == "list" and (in_step or made_plan.predicted_ratio) > limit:
+        logger.warning(
+            "memory_saving_gradients: the %d checkpoints given are predicted to raise the "
+            "peak above plain tf.gradients': %.2fx (%.2fx in a step that applies each "
+            "gradient as it is made), as what they hold outweighs what they let go; "
+            "checkpoints='memory' searches for a plan that saves.",
+            len(made_plan.checkpoints), made_plan.predicted_ratio, in_step or made_plan.predicted_ratio)
 
 
 def _warn_unmodelled_workspaces(region) -> None:

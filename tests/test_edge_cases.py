@@ -261,3 +261,22 @@ def test_wrong_number_of_grad_ys(g):
     units = _chain(x, 5)
     _same_error(lambda: ([units[-1]], [x], {"grad_ys": [tf.ones([N]), tf.ones([N])]},
                          [units[1], units[3]]))
+
+
+def test_a_list_predicted_to_raise_the_peak_is_said_to(g, caplog):
+    """Eight 256x256 layers at batch 32: the weights' gradients outweigh the
+    activations, and one checkpoint in the middle is predicted at 1.7x plain's peak.
+    The caller chose it, so it is kept, with a WARNING where plans are seen."""
+    x = tf.compat.v1.placeholder(tf.float32, [32, 256])
+    ws = [tf.compat.v1.get_variable(f"w{i}", [256, 256]) for i in range(8)]
+    h, units = x, []
+    for w in ws:
+        h = tf.tanh(h @ w)
+        units.append(h)
+    loss = tf.reduce_sum(h)
+    with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+        msg.gradients(loss, ws, checkpoints=[units[3]])
+        msg.gradients(loss, ws, checkpoints="memory")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+            and "predicted to raise the peak" in r.getMessage()]
+    assert len(said) == 1 and "the 1 checkpoints given" in said[0], said
