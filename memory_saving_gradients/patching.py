@@ -1,6 +1,7 @@
 """Replacing ``tf.gradients`` & co. with checkpointed gradients, and restoring them.
 
-Layer: entry points; imports: checkpointing, reporting, tape, tape_hooks, _tensorflow.
+Layer: entry points; imports: checkpointing, reporting, strategies, tape, tape_hooks,
+_tensorflow.
 
 ``patch(checkpoints='memory', tape=True, **options)`` swaps in memory-saving
 versions of every public way TensorFlow 2 code reaches graph gradients:
