@@ -434,15 +434,14 @@ def _warn_if_list_raises_the_peak(made_plan) -> None:
     a training step above plain ``tf.gradients``' (the peak the strategies judge; they
     never keep such a plan).  Said where the plan is seen (a patch's record, INFO
     logging)."""
-    limit = 1 + strategies.LEAST_PEAK_TOLERANCE
-    in_step = made_plan.in_step_ratio
-    if made_plan.strategy == "list" and (in_step or made_plan.predicted_ratio) > limit:
+    in_step = made_plan.in_step_ratio or made_plan.predicted_ratio
+    if made_plan.strategy == "list" and in_step > 1 + strategies.LEAST_PEAK_TOLERANCE:
         logger.warning(
             "memory_saving_gradients: the %d checkpoints given are predicted to raise the "
             "peak above plain tf.gradients': %.2fx (%.2fx in a step that applies each "
             "gradient as it is made), as what they hold outweighs what they let go; "
             "checkpoints='memory' searches for a plan that saves.",
-            len(made_plan.checkpoints), made_plan.predicted_ratio, in_step or made_plan.predicted_ratio)
+            len(made_plan.checkpoints), made_plan.predicted_ratio, in_step)
 
 
 def _warn_unmodelled_workspaces(region) -> None:
@@ -1251,14 +1250,19 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
     return tensors
 
 
+def not_checkpoints_error(checkpoints) -> TypeError:
+    """The error for ``checkpoints`` that are neither a strategy name nor tensors."""
+    return TypeError(
+        f"checkpoints must be a strategy name {strategies.available()} or a list of "
+        f"tensors; got {type(checkpoints).__name__}."
+    )
+
+
 def _checkpoint_list(checkpoints) -> list:
     if isinstance(checkpoints, tf.Tensor):
         checkpoints = [checkpoints]
     if not isinstance(checkpoints, (list, tuple)):
-        raise TypeError(
-            f"checkpoints must be a strategy name {strategies.available()} or a list of "
-            f"tensors; got {type(checkpoints).__name__}."
-        )
+        raise not_checkpoints_error(checkpoints)
     if not checkpoints:
         raise ValueError(
             "checkpoints is an empty list: pass the tensors to keep, or a strategy "

@@ -1,7 +1,6 @@
 """Replacing ``tf.gradients`` & co. with checkpointed gradients, and restoring them.
 
-Layer: entry points; imports: checkpointing, reporting, strategies, tape, tape_hooks,
-_tensorflow.
+Layer: entry points; imports: checkpointing, reporting, tape, tape_hooks, _tensorflow.
 
 ``patch(checkpoints='memory', tape=True, **options)`` swaps in memory-saving
 versions of every public way TensorFlow 2 code reaches graph gradients:
@@ -40,10 +39,10 @@ import threading
 from typing import Any, Callable, ContextManager, Iterator, Union
 
 from . import _tensorflow as _tf_internals
-from . import reporting, strategies, tape_hooks
+from . import reporting, tape_hooks
 from . import tape as tape_lib
 from ._tensorflow import tf
-from .checkpointing import Checkpoints, check_arguments
+from .checkpointing import Checkpoints, check_arguments, not_checkpoints_error
 from .checkpointing import gradients as _checkpointed_gradients
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -364,9 +363,7 @@ def _as_checkpoints(checkpoints: Any) -> str | list:
     if isinstance(checkpoints, str):
         return checkpoints
     if not isinstance(checkpoints, collections.abc.Iterable):
-        raise TypeError(
-            f"checkpoints must be a strategy name {strategies.available()} or a list of "
-            f"tensors; got {type(checkpoints).__name__}.")
+        raise not_checkpoints_error(checkpoints)
     return list(checkpoints)
 
 
