@@ -377,6 +377,15 @@ def add_control_inputs(op: tf.Operation, ops: list) -> None:
     op._add_control_inputs(ops)
 
 
+def preserve_from_grappler(op: tf.Operation) -> None:
+    """Sets ``_grappler_do_not_remove`` on ``op``: grappler keeps it as built (its
+    arithmetic optimizer does not fold an ``AddN`` so marked into a later sum)
+    (*rewrite.py only*)."""
+    from tensorflow.core.framework import attr_value_pb2
+
+    op._set_attr("_grappler_do_not_remove", attr_value_pb2.AttrValue(b=True))
+
+
 # -- variables ------------------------------------------------------------------------
 
 

@@ -296,6 +296,13 @@ def sum_gradients(
     concatenation; otherwise all are made dense and added: by one ``AddN``,
     or, for the tree ``aggregation_method``s, two at a time in the order
     given (each contribution can be freed once added), as ``tf.gradients`` does.
+
+    Each sum runs when its contributions are made: grappler's arithmetic optimizer
+    would fold a sum whose only reader is another sum into that one (a variable
+    read's gradients into the variable's, one ``AddN`` over every step of an
+    unrolled loop), and every contribution would wait for the last (measured: 24 of
+    an unrolled LSTM's recurrent-kernel gradients alive at once where 16 are made),
+    so the sums are kept from it (:func:`._tensorflow.preserve_from_grappler`).
     """
     if len(grads) == 1:
         return grads[0]
@@ -321,9 +328,16 @@ def sum_gradients(
         ):
             running = dense[0]
             for g in dense[1:]:
-                running = tf.math.add_n([running, g])
+                running = _kept_sum([running, g])
             return running
-        return tf.math.add_n(dense)
+        return _kept_sum(dense)
+
+
+def _kept_sum(dense: list) -> tf.Tensor:
+    """``tf.math.add_n``, kept from grappler's folding of sums (see :func:`sum_gradients`)."""
+    total = tf.math.add_n(dense)
+    _tf_internals.preserve_from_grappler(total.op)
+    return total
 
 
 def tensors_of(gradient: Gradient) -> list:

@@ -300,6 +300,18 @@ def test_op_construction():
         assert sess.run(copy.outputs[0]) == 6.0
 
 
+def test_an_op_is_preserved_from_grappler():
+    """The attribute grappler reads (``GrapplerItem::NodesToPreserve``) is set, and
+    the op still runs."""
+    graph = tf.Graph()
+    with graph.as_default():
+        total = tf.math.add_n([tf.constant(1.0), tf.constant(2.0)])
+        shim.preserve_from_grappler(total.op)
+    assert total.op.get_attr("_grappler_do_not_remove") is True
+    with tf.compat.v1.Session(graph=graph) as sess:
+        assert sess.run(total) == 3.0
+
+
 # -- variables, tapes, functions --------------------------------------------------------------------
 
 
