@@ -83,6 +83,8 @@ def _check_version(version: str) -> None:
 _check_version(tf.__version__)
 
 # The private modules this shim stands between the library and (ruff: E402 allowed here).
+from tensorflow.core.framework import attr_value_pb2 as _attr_value_pb2
+from tensorflow.python.autograph.operators import control_flow as _autograph_control_flow
 from tensorflow.python.client import device_lib as _device_lib
 from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.eager import backprop_util as _backprop_util
@@ -155,6 +157,25 @@ def running_in_py_function() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
         if frame.f_code.co_filename == _PY_FUNCTION_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+#: Autograph's ``_try_handling_undefineds`` (in this file) traces a loop body once in a
+#: throwaway ``FuncGraph('tmp')`` when some loop variable is first set in the body, to
+#: learn its type; the loop is then traced again, for real.
+_AUTOGRAPH_STAGING = ("_try_handling_undefineds", _autograph_control_flow.__file__)
+
+
+def in_autograph_staging_trace() -> bool:
+    """Whether this code runs in autograph's throwaway trace of a loop body (see
+    :data:`_AUTOGRAPH_STAGING`): nothing built there is ever run."""
+    if getattr(tf.compat.v1.get_default_graph(), "name", None) != "tmp":
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_code.co_name, frame.f_code.co_filename) == _AUTOGRAPH_STAGING:
             return True
         frame = frame.f_back
     return False
@@ -381,9 +402,7 @@ def preserve_from_grappler(op: tf.Operation) -> None:
     """Sets ``_grappler_do_not_remove`` on ``op``: grappler keeps it as built (its
     arithmetic optimizer does not fold an ``AddN`` so marked into a later sum)
     (*rewrite.py only*)."""
-    from tensorflow.core.framework import attr_value_pb2
-
-    op._set_attr("_grappler_do_not_remove", attr_value_pb2.AttrValue(b=True))
+    op._set_attr("_grappler_do_not_remove", _attr_value_pb2.AttrValue(b=True))
 
 
 # -- variables ------------------------------------------------------------------------

@@ -152,12 +152,20 @@ def note_watch(tape: tf.GradientTape, tensor: Nested) -> None:
             recording.watched[t.ref()] = t
 
 
+#: Reasons for a plain gradient that are not the user's to know: nothing is reported.
+_SILENT_REASONS = ("inside the library", "autograph's throwaway trace of a loop body")
+
+
 def _plain_reason(tape) -> str | None:
     """Why this gradient call must be the tape's own, or None."""
     if plain_gradients.active():
         return "jacobian"
     if building_gradients():
-        return "inside the library"
+        return _SILENT_REASONS[0]
+    if _tf_internals.in_autograph_staging_trace():
+        # a loop variable first set in the body: the body is traced once to learn its
+        # type, in a graph that never runs, then again for real (planned there)
+        return _SILENT_REASONS[1]
     if _recording(tape) is None:
         return "the tape started recording before memory-saving gradients were turned on"
     return None
@@ -287,7 +295,7 @@ def _stays_plain(tape, config: Config) -> bool:
     reason = _plain_reason(tape)
     if reason is not None:
         logger.debug("memory_saving_gradients: plain tape gradient (%s)", reason)
-        if reason != "inside the library":
+        if reason not in _SILENT_REASONS:
             reporting.left_plain(config.record, reason, tf.compat.v1.get_default_graph())
         return True
     return False

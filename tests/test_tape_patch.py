@@ -17,6 +17,7 @@ from tensorflow.python.eager import backprop
 from tensorflow.python.ops import gradients_impl
 
 import memory_saving_gradients as msg
+from memory_saving_gradients import _tensorflow as shim
 from memory_saving_gradients import memo, strategies, tape_hooks
 from memory_saving_gradients import patching as patch_lib
 from memory_saving_gradients import tape as tape_lib
@@ -391,6 +392,31 @@ def test_custom_gradient_recompute_grad_and_while_loop(weights, x):
     want, got, graph = _both(body, x)
     _close(got, want)
     assert _recomputes(graph) > 0
+
+
+def test_a_gradient_accumulation_loop_is_planned_once(weights, x):
+    """A ``tf.range`` loop whose loss is first set in its body: autograph traces the body
+    once in a throwaway graph ('tmp') to learn the loss's type, then again for real.
+    The throwaway trace was planned and rewritten too, so ``plans`` held two plans (and
+    the log two lines) for one gradient; it stays plain now."""
+
+    def accumulate(x):
+        total = [tf.zeros_like(w) for w in weights]
+        for i in tf.range(4):
+            with tf.GradientTape() as tape:
+                loss = _forward(weights, x[i * 128:(i + 1) * 128])
+            total = [a + g for a, g in zip(total, tape.gradient(loss, weights))]
+        return loss, total
+
+    want = tf.function(accumulate)(x)
+    with msg.patched("memory") as handle:
+        ours = tf.function(accumulate)
+        got = ours(x)
+    _close(got, want)
+    assert len(handle.plans) == 1, handle.plans
+    graph = ours.get_concrete_function(x).graph
+    loop = next(op for op in graph.get_operations() if op.type in ("While", "StatelessWhile"))
+    assert _recomputes(shim.while_body_graph(loop)) > 0  # the loop's own body is rewritten
 
 
 def test_eager_tapes_stay_plain_and_warn_once(weights, x):

@@ -300,6 +300,29 @@ def test_op_construction():
         assert sess.run(copy.outputs[0]) == 6.0
 
 
+def test_autograph_staging_traces_are_told_from_real_ones():
+    """Autograph's throwaway trace of a loop body (a variable first set in the body) is
+    seen; the loop's real body trace and a user's function named ``tmp`` are not."""
+    seen = []
+
+    @tf.function
+    def loop(x):
+        for _ in tf.range(2):
+            y = x * 2.0
+            seen.append(shim.in_autograph_staging_trace())
+        return y
+
+    @tf.function
+    def tmp(x):
+        seen.append(shim.in_autograph_staging_trace())
+        return x
+
+    loop(tf.constant(1.0))
+    assert seen == [True, False]
+    tmp(tf.constant(1.0))
+    assert seen[-1] is False and not shim.in_autograph_staging_trace()
+
+
 def test_an_op_is_preserved_from_grappler():
     """The attribute grappler reads (``GrapplerItem::NodesToPreserve``) is set, and
     the op still runs."""
