@@ -220,6 +220,7 @@ def test_weights_read_by_every_step_of_a_loop_hold_their_gradients_until_summed(
         assert not chosen.checkpoints, f"{strategy}: {chosen}; {summary}"
 
 
+@pytest.mark.slow
 @pytest.mark.memory
 def test_the_sums_of_a_weights_gradients_run_when_their_parts_are_made():
     """A plan made for batch 512 and fed 8: the weights' gradients outweigh the
