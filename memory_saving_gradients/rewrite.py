@@ -237,7 +237,11 @@ def _recording_gradient(function, recorded: list, copies: frozenset):
                 made_after = max([graph_lib.op_order(op)] + [
                     graph_lib.op_order(t.op) for g in output_gradients if g is not None
                     for t in tensors_of(g) if isinstance(t, tf.Tensor)])
-                reads = [_reads_recomputed(p, copies, made_after) for p in producers]
+                # an incoming gradient handed on as it is (a bias add's input gradient)
+                # was made before: it reads nothing now, and waiting for or on it frees
+                # nothing (it split oneDNN's filter-and-bias gradient fusion)
+                reads = [graph_lib.op_order(p) > made_after
+                         and _reads_recomputed(p, copies, made_after) for p in producers]
                 mixed = any(reads) and not all(reads)
             recorded.append((op, producers, max(graph_lib.op_order(p) for p in producers), mixed))
         return results

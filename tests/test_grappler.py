@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import memory_saving_gradients as msg
 import test_models
+from memory_saving_gradients import _tensorflow as shim
 from memory_saving_gradients import profiling
 
 
@@ -57,6 +58,51 @@ def test_transformer_rewrite_runs_optimized(graph):
                               batch=2, vocab=32)
     grads = msg.gradients(model.loss, model.params, checkpoints="memory")
     assert _executed_types(grads, model.feed_dict)["Pow"] == 0
+
+
+def _siamese_convs(x1, x2, filters, biases):
+    """Two towers sharing conv + bias + relu layers, whose gradients nearly cancel; the
+    loss and each tower's first layer's output."""
+    firsts = []
+
+    def tower(h):
+        for f, b in zip(filters, biases):
+            h = tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(h, f, 1, "SAME"), b))
+            firsts.append(h)
+        return tf.reduce_mean(h, [1, 2])
+
+    loss = tf.reduce_sum(tf.abs(tower(x1) - tower(x2)))
+    return loss, firsts[::len(filters)]
+
+
+@pytest.mark.skipif(not shim.onednn_enabled(), reason="oneDNN's fusion only")
+def test_a_recomputed_bias_add_keeps_onednn_s_filter_and_bias_gradient_fusion(graph):
+    """A bias add's gradient hands its incoming gradient on and adds a ``BiasAddGrad``.
+    That incoming gradient was counted as reading a recomputed tensor (its producer,
+    a ``ReluGrad``, reads one), so the two were gated: the convolution's filter gradient
+    waited for the ``BiasAddGrad``, which split oneDNN's fusion of the two
+    (``Conv2DBackpropFilterWithBias``). The bias gradients were then summed by another
+    kernel: on these towers, whose gradients nearly cancel, 4e-3 off plain's (plain's
+    own error against float64: 2e-4). Now every recomputed layer runs the fused kernel,
+    as plain does, and the gradients equal plain's to float32 precision (each tower
+    keeps its first layer's output; the other two layers are recomputed)."""
+    rng = np.random.RandomState(0)
+    x1, x2 = (tf.constant(rng.randn(16, 32, 32, 3).astype(np.float32)) for _ in range(2))
+    filters = [tf.Variable((rng.randn(3, 3, cin, 32) * np.sqrt(2 / (9 * cin))).astype(np.float32))
+               for cin in (3, 32, 32)]
+    biases = [tf.Variable(np.full(32, 0.01, np.float32)) for _ in range(3)]
+    loss, firsts = _siamese_convs(x1, x2, filters, biases)
+    plain = tf.gradients(loss, filters + biases)
+    ours = msg.gradients(loss, filters + biases, checkpoints=firsts)
+    assert any("/recompute_" in op.name for op in graph.get_operations())
+    plain_ran, ours_ran = _executed_types(plain, {}), _executed_types(ours, {})
+    assert ours_ran["BiasAddGrad"] == 0, ours_ran
+    assert ours_ran["Conv2DBackpropFilterWithBias"] == plain_ran["Conv2DBackpropFilterWithBias"]
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        want, got = session.run([plain, ours])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
 def test_sibling_gradients_of_two_segments_are_not_fused_into_a_cycle():
