@@ -301,12 +301,8 @@ def sum_gradients(
     or, for the tree ``aggregation_method``s, two at a time in the order
     given (each contribution can be freed once added), as ``tf.gradients`` does.
 
-    Each sum runs when its contributions are made: grappler's arithmetic optimizer
-    would fold a sum whose only reader is another sum into that one (a variable
-    read's gradients into the variable's, one ``AddN`` over every step of an
-    unrolled loop), and every contribution would wait for the last (measured: 24 of
-    an unrolled LSTM's recurrent-kernel gradients alive at once where 16 are made),
-    so the sums are kept from it (:func:`._tensorflow.preserve_from_grappler`).
+    A contribution that is itself a sum is kept from grappler's folding of sums
+    into their reader (see :func:`_summed`), so that it runs when its parts are made.
     """
     if len(grads) == 1:
         return grads[0]
@@ -332,16 +328,28 @@ def sum_gradients(
         ):
             running = dense[0]
             for g in dense[1:]:
-                running = _kept_sum([running, g])
+                running = _summed([running, g])
             return running
-        return _kept_sum(dense)
+        return _summed(dense)
 
 
-def _kept_sum(dense: list) -> tf.Tensor:
-    """``tf.math.add_n``, kept from grappler's folding of sums (see :func:`sum_gradients`)."""
-    total = tf.math.add_n(dense)
-    _tf_internals.preserve_from_grappler(total.op)
-    return total
+#: The op types grappler's arithmetic optimizer folds into a sum that reads them.
+_SUM_OP_TYPES = frozenset({"Add", "AddV2", "AddN"})
+
+
+def _summed(parts: list) -> tf.Tensor:
+    """``tf.math.add_n(parts)``, each part that is a sum kept as built.
+
+    Grappler folds a sum whose only reader is another sum into that one, so that
+    every part waits for the last of them all (a variable read's gradients into the
+    variable's, over every step of an unrolled loop).  The parts that are sums are
+    marked to stay (:func:`._tensorflow.preserve_from_grappler`); the new sum is not,
+    so that grappler still prunes it where nothing reads it (a gradient not used).
+    """
+    for part in parts:
+        if part.op.type in _SUM_OP_TYPES:
+            _tf_internals.preserve_from_grappler(part.op)
+    return tf.math.add_n(parts)
 
 
 def tensors_of(gradient: Gradient) -> list:

@@ -105,6 +105,29 @@ def test_a_recomputed_bias_add_keeps_onednn_s_filter_and_bias_gradient_fusion(gr
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
+def test_a_gradient_nothing_reads_is_pruned_as_in_plain(graph):
+    """Sixteen weights each read twice: each gradient is a sum of two parts. Fetching one
+    of them, grappler prunes the sums nothing reads (and the products only they read),
+    as in plain ``tf.gradients``. When every sum the rewrite built was marked to stay as
+    built, 17 weight-gradient products ran where the fetched gradient needs 2; now only
+    the parts that are sums are marked."""
+    weights = [tf.compat.v1.get_variable(f"w{i}", [64, 64]) for i in range(16)]
+    h = tf.random.stateless_normal([256, 64], seed=[5, 6])
+    for _ in range(2):
+        for w in weights:
+            h = tf.tanh(tf.matmul(h, w))
+    grads = msg.gradients(tf.reduce_sum(h * h), weights, checkpoints="memory")
+    assert all(g.op.type == "AddN" for g in grads)
+    with tf.compat.v1.Session() as session:
+        session.run(tf.compat.v1.global_variables_initializer())
+        _, metadata = profiling.traced_run(session, grads[-1])
+    ran = {node.node_name for device in metadata.step_stats.dev_stats
+           for node in device.node_stats}
+    # the weight-gradient products that ran: those of the fetched weight's two reads
+    products = [name for name in ran if name in {t.op.name for g in grads for t in g.op.inputs}]
+    assert len(products) == 2, sorted(products)
+
+
 def test_sibling_gradients_of_two_segments_are_not_fused_into_a_cycle():
     """A convolution output kept as a checkpoint, its bias add in the next segment:
     oneDNN's remapper fuses the bias add's BiasAddGrad (one segment) with the
