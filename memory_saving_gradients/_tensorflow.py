@@ -88,6 +88,7 @@ from tensorflow.python.autograph.operators import control_flow as _autograph_con
 from tensorflow.python.client import device_lib as _device_lib
 from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.eager import backprop_util as _backprop_util
+from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import op_def_registry as _op_def_registry
 from tensorflow.python.framework import ops as _framework_ops
 from tensorflow.python.ops import control_flow_ops as _control_flow_ops
@@ -98,6 +99,9 @@ from tensorflow.python.ops import gradients_impl as _gradients_impl
 from tensorflow.python.ops import gradients_util as _gradients_util
 from tensorflow.python.ops import resource_variable_ops as _resource_variable_ops
 from tensorflow.python.ops import script_ops as _script_ops
+from tensorflow.python.ops.control_flow_v2_func_graphs import (
+    ControlFlowFuncGraph as _ControlFlowFuncGraph,
+)
 
 #: TensorFlow's own ``tf.compat.v1.gradients``, captured before any patching.
 tf_gradients = _gradients_impl.gradients
@@ -162,20 +166,30 @@ def running_in_py_function() -> bool:
     return False
 
 
-#: Autograph's ``_try_handling_undefineds`` (in this file) traces a loop body once in a
-#: throwaway ``FuncGraph('tmp')`` when some loop variable is first set in the body, to
-#: learn its type; the loop is then traced again, for real.
-_AUTOGRAPH_STAGING = ("_try_handling_undefineds", _autograph_control_flow.__file__)
+#: Autograph's ``_try_handling_undefineds`` traces a loop body once in a throwaway
+#: ``FuncGraph('tmp')`` when some loop variable is first set in the body, to learn its
+#: type; the loop is then traced again, for real.  (function name, module name)
+_AUTOGRAPH_STAGING = ("_try_handling_undefineds", _autograph_control_flow.__name__)
+#: Where a ``tf.function`` traces its Python function into a graph of its own, named after
+#: the function (a user's function may be called ``tmp``).  (function name, module name)
+_FUNCTION_TRACE = ("func_graph_from_py_func", _func_graph.__name__)
 
 
 def in_autograph_staging_trace() -> bool:
     """Whether this code runs in autograph's throwaway trace of a loop body (see
-    :data:`_AUTOGRAPH_STAGING`): nothing built there is ever run."""
-    if getattr(tf.compat.v1.get_default_graph(), "name", None) != "tmp":
+    :data:`_AUTOGRAPH_STAGING`), or in a ``cond`` or loop inside it: nothing built
+    there is ever run.  A function traced while it runs has a graph of its own."""
+    graph = tf.compat.v1.get_default_graph()
+    while isinstance(graph, _ControlFlowFuncGraph):
+        graph = graph.outer_graph
+    if getattr(graph, "name", None) != "tmp":
         return False
     frame = sys._getframe(1)
     while frame is not None:
-        if (frame.f_code.co_name, frame.f_code.co_filename) == _AUTOGRAPH_STAGING:
+        where = (frame.f_code.co_name, frame.f_globals.get("__name__"))
+        if where == _FUNCTION_TRACE and frame.f_locals.get("func_graph") is graph:
+            return False  # a function named tmp, traced into this graph
+        if where == _AUTOGRAPH_STAGING:
             return True
         frame = frame.f_back
     return False

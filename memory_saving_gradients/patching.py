@@ -115,7 +115,11 @@ PASSED_BY_THE_REPLACEMENTS = (
 
 
 def _recorded(record, ys, xs, grad_ys, **arguments):
-    """The checkpointed gradients, their rewrite recorded in ``record``."""
+    """The checkpointed gradients, their rewrite recorded in ``record``; TensorFlow's own
+    in autograph's throwaway trace of a loop body, which never runs."""
+    if _tf_internals.in_autograph_staging_trace():
+        return _tf_internals.tf_gradients(
+            ys, xs, grad_ys, **{name: arguments[name] for name in PASSED_BY_THE_REPLACEMENTS})
     with reporting.recording(record):
         return _checkpointed_gradients(ys, xs, grad_ys, **arguments)
 

@@ -152,8 +152,10 @@ def note_watch(tape: tf.GradientTape, tensor: Nested) -> None:
             recording.watched[t.ref()] = t
 
 
+_INSIDE_THE_LIBRARY = "inside the library"
+_AUTOGRAPH_STAGING = "autograph's throwaway trace of a loop body"
 #: Reasons for a plain gradient that are not the user's to know: nothing is reported.
-_SILENT_REASONS = ("inside the library", "autograph's throwaway trace of a loop body")
+_SILENT_REASONS = (_INSIDE_THE_LIBRARY, _AUTOGRAPH_STAGING)
 
 
 def _plain_reason(tape) -> str | None:
@@ -161,11 +163,11 @@ def _plain_reason(tape) -> str | None:
     if plain_gradients.active():
         return "jacobian"
     if building_gradients():
-        return _SILENT_REASONS[0]
+        return _INSIDE_THE_LIBRARY
     if _tf_internals.in_autograph_staging_trace():
         # a loop variable first set in the body: the body is traced once to learn its
         # type, in a graph that never runs, then again for real (planned there)
-        return _SILENT_REASONS[1]
+        return _AUTOGRAPH_STAGING
     if _recording(tape) is None:
         return "the tape started recording before memory-saving gradients were turned on"
     return None

@@ -302,25 +302,31 @@ def test_op_construction():
 
 def test_autograph_staging_traces_are_told_from_real_ones():
     """Autograph's throwaway trace of a loop body (a variable first set in the body) is
-    seen; the loop's real body trace and a user's function named ``tmp`` are not."""
+    seen, also inside a ``cond`` there; the loop's real body trace is not, nor a
+    function named ``tmp`` traced during the throwaway trace (its graph is its own, and
+    its one trace is reused by the real one), nor one traced elsewhere."""
     seen = []
 
     @tf.function
-    def loop(x):
-        for _ in tf.range(2):
-            y = x * 2.0
-            seen.append(shim.in_autograph_staging_trace())
-        return y
+    def tmp(x):
+        seen.append(("tmp", shim.in_autograph_staging_trace()))
+        return x * 3.0
 
     @tf.function
-    def tmp(x):
-        seen.append(shim.in_autograph_staging_trace())
-        return x
+    def loop(x):
+        for i in tf.range(2):
+            y = tmp(x)
+            if i > 0:
+                seen.append(("cond", shim.in_autograph_staging_trace()))
+                y = y * 2.0
+            seen.append(("body", shim.in_autograph_staging_trace()))
+        return y
 
     loop(tf.constant(1.0))
-    assert seen == [True, False]
-    tmp(tf.constant(1.0))
-    assert seen[-1] is False and not shim.in_autograph_staging_trace()
+    assert seen[0] == ("tmp", False)
+    assert ("body", True) in seen and ("cond", True) in seen
+    assert seen[-2:] == [("cond", False), ("body", False)]
+    assert not shim.in_autograph_staging_trace()
 
 
 def test_an_op_is_preserved_from_grappler():
