@@ -200,7 +200,7 @@ def checkpointed_gradient(
     flat_sources = tf.nest.flatten(sources)
     recording = _recording(tape)
     flat_sources = [_in_graph(s, recording) for s in flat_sources]
-    why_not = _why_not_rewritable(flat_targets + flat_sources)
+    why_not = _why_not_rewritable(flat_targets + flat_sources, recording.graph)
     if why_not is not None:
         logger.warning("memory_saving_gradients: %s; using tf.GradientTape's own gradient "
                        "(no memory saved).", why_not)
@@ -304,16 +304,18 @@ def _stays_plain(tape, config: Config) -> bool:
 
 
 def _in_graph(source, recording: _Recording):
-    """``source``, or where it is an eager tensor that the traced function reads (a
-    tensor made outside the ``tf.function`` and captured by it), the placeholder the
-    function reads it through: its gradient is the eager tensor's, as the tape's
-    own capture record says.  A watched one stays watched."""
-    if (not isinstance(source, tf.Tensor) or tf.is_symbolic_tensor(source)
-            or source.dtype in (tf.resource, tf.variant)):
+    """``source``, or where it is a tensor from outside the recorded graph that the graph
+    reads (an eager tensor the traced function captured; a tensor of the function that
+    a loop body or a ``cond`` branch captured), the placeholder the graph reads it
+    through: its gradient is the source's, as the tape's own capture record says.  A
+    watched one stays watched."""
+    if not isinstance(source, tf.Tensor) or source.dtype in (tf.resource, tf.variant):
         # a variable's handle: the tape matches it to the variable it captured, which
         # the graph holds no op of to differentiate to
         return source
-    internal = _tf_internals.captured_placeholder(recording.graph, source)
+    if tf.is_symbolic_tensor(source) and source.graph is recording.graph:
+        return source
+    internal = _captured_through(recording.graph, source)
     if internal is None:
         return source
     if source.ref() in recording.watched:
@@ -323,9 +325,34 @@ def _in_graph(source, recording: _Recording):
     return internal
 
 
-def _why_not_rewritable(values: list) -> str | None:
+def _captured_through(graph, value):
+    """The tensor through which ``graph`` reads ``value``, a tensor from outside it:
+    captured by ``graph`` itself, or through the function graphs between (a ``cond``
+    branch in a loop body in a ``tf.function``); None where ``graph`` reads none."""
+    outer = value.graph if tf.is_symbolic_tensor(value) else None  # None: eager
+    between = []
+    while graph is not outer and hasattr(graph, "captures"):
+        between.append(graph)
+        graph = getattr(graph, "outer_graph", None)
+    if outer is not None and graph is not outer:
+        return None  # not from a graph that encloses this one
+    # a graph may capture the outer tensor itself or what a graph between captured it as
+    # (a cond branch in a loop body captures the function's tensor before the body does)
+    aliases, found = [value], None
+    for inner in reversed(between):
+        found = None
+        for alias in list(aliases):
+            internal = _tf_internals.captured_placeholder(inner, alias)
+            if internal is not None:
+                found = internal
+        if found is not None:
+            aliases.append(found)
+    return found
+
+
+def _why_not_rewritable(values: list, graph) -> str | None:
     """Why the tape's own gradient must be used, or None where every target and source
-    is a graph tensor or a variable."""
+    is a tensor of ``graph`` (the recorded one) or a variable."""
     unsupported = [t for t in values if not (isinstance(t, tf.Tensor) or is_variable(t))]
     if unsupported:
         return (f"a target or source of GradientTape.gradient is a "
@@ -337,6 +364,13 @@ def _why_not_rewritable(values: list) -> str | None:
         return (f"a target or source of GradientTape.gradient is an eager tensor "
                 f"({eager[0].dtype.name}): a variable's handle, or a tensor the traced "
                 f"function does not read")
+    elsewhere = [t for t in values if isinstance(t, tf.Tensor) and tf.is_symbolic_tensor(t)
+                 and t.graph is not graph]
+    if elsewhere:
+        # a tensor of an enclosing graph that the recorded graph (a loop body, a cond
+        # branch) does not read: nothing to differentiate to
+        return (f"a target or source of GradientTape.gradient ({elsewhere[0].name}) is a "
+                f"tensor of another graph that the recorded graph does not read")
     return None
 
 

@@ -434,6 +434,48 @@ def test_a_gradient_accumulation_loop_is_planned_once(weights, x, how):
     assert recomputes > 0  # the loop's own body (or the function it calls) is rewritten
 
 
+@pytest.mark.filterwarnings("ignore::memory_saving_gradients.NothingRewrittenWarning")
+@pytest.mark.parametrize("where", ["loop body", "cond branch", "cond in a loop body", "unread"])
+def test_a_source_from_the_enclosing_function_is_differentiated(weights, x, where):
+    """A tape in a loop body or a ``cond`` branch, watching a tensor of the function
+    around it: the inner graph reads it through a placeholder it captured (a cond branch
+    in a loop body captures the function's tensor itself), and the plain tape
+    differentiates to it through that capture. The patch raised "belongs to another
+    graph"; now it differentiates to the placeholder, or, where the inner graph never
+    reads the tensor, leaves the gradient to the tape (which gives zeros here)."""
+
+    def watched_gradient(xb, scale):
+        with tf.GradientTape() as tape:
+            tape.watch(xb)
+            read = xb if where != "unread" else tf.ones_like(xb)
+            loss = _forward(weights, read * scale)
+        return tape.gradient(loss, xb, unconnected_gradients="zero")
+
+    def body(xb):
+        total = tf.zeros_like(xb)
+        if where == "cond branch":
+            if tf.reduce_sum(xb) > -1e9:
+                total = watched_gradient(xb, 1.0)
+            return total
+        for i in tf.range(2):
+            scale = tf.cast(i + 1, tf.float32)
+            if where == "cond in a loop body":
+                if i >= 0:
+                    g = watched_gradient(xb, scale)
+                else:
+                    g = tf.zeros_like(xb)
+            else:
+                g = watched_gradient(xb, scale)
+            total += g
+        return total
+
+    want = tf.function(body)(x)
+    with msg.patched("memory") as handle:
+        got = tf.function(body)(x)
+    _close(got, want)
+    assert len(handle.plans) == (0 if where == "unread" else 1), handle.plans
+
+
 def test_eager_tapes_stay_plain_and_warn_once(weights, x):
     tape_lib._eager_warned.clear()
     with tf.GradientTape() as tape:
