@@ -897,8 +897,9 @@ class _Contributions:
     not summed yet: the gradients later steps will read.
     """
 
-    def __init__(self, options: _GradientOptions):
+    def __init__(self, options: _GradientOptions, built_after: int):
         self._options = options
+        self._built_after = built_after  # ops with larger ids are this pass's own
         self._parts: dict = {}  # ref -> contributions, in the order they came
         self._totals: dict = {}  # ref -> their sum (or None), once read
         self._open: dict = {}  # refs with contributions not summed yet, in order
@@ -922,7 +923,7 @@ class _Contributions:
             self._totals[key] = (
                 rewrite.sum_gradients(
                     parts, tensor.op if self._options.colocate_gradients_with_ops else None,
-                    self._options.aggregation_method,
+                    self._options.aggregation_method, self._built_after,
                 )
                 if parts else None
             )
@@ -952,7 +953,8 @@ class _BackwardPass:
         self._request = request
         self._options = request.options
         self._schedule = schedule
-        self._sums = _Contributions(request.options)
+        self._sums = _Contributions(request.options,
+                                    graph_lib.last_op_id(request.ys[0].graph))
         self._x_keys = {x.ref() for x in request.xs}
         self._differentiated: set = set()  # the ops of the groups differentiated
         self._previous_results: list = []  # the ops of the last recomputed step's gradients

@@ -292,7 +292,7 @@ def default_grad_ys(
 
 def sum_gradients(
     grads: Sequence[tf.Tensor | tf.IndexedSlices], colocate_with: tf.Operation | None = None,
-    aggregation_method: int | None = None,
+    aggregation_method: int | None = None, built_after: int | None = None,
 ) -> tf.Tensor | tf.IndexedSlices:
     """Sum gradient contributions like ``tf.gradients``: sparse stays sparse.
 
@@ -301,8 +301,9 @@ def sum_gradients(
     or, for the tree ``aggregation_method``s, two at a time in the order
     given (each contribution can be freed once added), as ``tf.gradients`` does.
 
-    A contribution that is itself a sum is kept from grappler's folding of sums
-    into their reader (see :func:`_summed`), so that it runs when its parts are made.
+    A contribution that is itself a sum, made after the op id ``built_after`` (by the
+    backward pass, not the user), is kept from grappler's folding of sums into their
+    reader (see :func:`_summed`), so that it runs when its parts are made.
     """
     if len(grads) == 1:
         return grads[0]
@@ -328,26 +329,28 @@ def sum_gradients(
         ):
             running = dense[0]
             for g in dense[1:]:
-                running = _summed([running, g])
+                running = _summed([running, g], built_after)
             return running
-        return _summed(dense)
+        return _summed(dense, built_after)
 
 
 #: The op types grappler's arithmetic optimizer folds into a sum that reads them.
 _SUM_OP_TYPES = frozenset({"Add", "AddV2", "AddN"})
 
 
-def _summed(parts: list) -> tf.Tensor:
+def _summed(parts: list, built_after: int | None) -> tf.Tensor:
     """``tf.math.add_n(parts)``, each part that is a sum kept as built.
 
     Grappler folds a sum whose only reader is another sum into that one, so that
     every part waits for the last of them all (a variable read's gradients into the
-    variable's, over every step of an unrolled loop).  The parts that are sums are
-    marked to stay (:func:`._tensorflow.preserve_from_grappler`); the new sum is not,
-    so that grappler still prunes it where nothing reads it (a gradient not used).
+    variable's, over every step of an unrolled loop).  The parts that are sums, made
+    after the op id ``built_after`` (never a user's op), are marked to stay
+    (:func:`._tensorflow.preserve_from_grappler`); the new sum is not, so that grappler
+    still prunes it where nothing reads it (a gradient not used).
     """
     for part in parts:
-        if part.op.type in _SUM_OP_TYPES:
+        if (part.op.type in _SUM_OP_TYPES and built_after is not None
+                and graph_lib.op_order(part.op) > built_after):
             _tf_internals.preserve_from_grappler(part.op)
     return tf.math.add_n(parts)
 

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import memory_saving_gradients as msg
-from memory_saving_gradients import checkpointing
+from memory_saving_gradients import checkpointing, rewrite
 from memory_saving_gradients import graph as graph_lib
 from test_models import chain, mlp, resnet
 
@@ -78,6 +78,19 @@ def test_existing_node_defs_are_unchanged(graph, op_snapshot, case, options):
             assert [c.name for c in op.control_inputs] == control_inputs[op.name], op.name
             assert [(t.dtype, t.shape.as_list() if t.shape.rank is not None else None)
                     for t in op.outputs] == outputs[op.name], op.name
+
+
+def test_only_the_backward_pass_s_own_sums_are_marked(graph):
+    """A part of a sum that is a sum is marked to stay as built only where the backward
+    pass made it: a user's tensor handed on as a gradient keeps its NodeDef."""
+    users = tf.ones([4]) + tf.ones([4])
+    built_after = graph_lib.last_op_id(graph)
+    ours = tf.math.add_n([tf.ones([4]), tf.ones([4])])
+    before = users.op.node_def.SerializeToString()
+    total = rewrite.sum_gradients([users, ours, tf.ones([4])], built_after=built_after)
+    assert users.op.node_def.SerializeToString() == before
+    assert ours.op.get_attr("_grappler_do_not_remove") is True
+    assert "_grappler_do_not_remove" not in total.op.node_def.attr
 
 
 def test_copies_keep_device_and_colocation(graph):
