@@ -302,7 +302,7 @@ class Patch:
                 setattr(module, key[1], previous)
             del _active[index]
             self.active = False
-            logger.debug("memory_saving_gradients: patch(%r) undone", self.checkpoints)
+            logger.debug("patch(%r) undone", self.checkpoints)
 
     def __enter__(self) -> "Patch":
         return self
@@ -343,7 +343,7 @@ def patch(checkpoints: PatchCheckpoints = "memory", tape: bool = True, **options
         for outer in _active:  # this one rewrites in their place while it is active
             outer.record.nested.append(handle.record)
         _active.append(handle)
-    logger.debug("memory_saving_gradients: patch(%r) applied", checkpoints)
+    logger.debug("patch(%r) applied", checkpoints)
     return handle
 
 

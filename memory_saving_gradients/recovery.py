@@ -41,7 +41,7 @@ def after_failure() -> None:
             _forget_failed_first_trace(owner)
         elif is_keras_model(owner) and getattr(owner, "train_function", None) is not None:
             owner.train_function = None
-            logger.debug("memory_saving_gradients: dropped %s's train_function after a "
+            logger.debug("dropped %s's train_function after a "
                          "failed trace", getattr(owner, "name", owner))
 
 
@@ -87,7 +87,7 @@ def _forget_failed_first_trace(function) -> None:
         return  # its first trace completed: this is a later one
     created = _tf_internals.function_created_variables(function)
     if any(ref() is not None for ref in created):
-        logger.debug("memory_saving_gradients: the failed trace of %s created variables; "
+        logger.debug("the failed trace of %s created variables; "
                      "it is left as TensorFlow left it", getattr(function, "name", function))
         return
     _tf_internals.forget_first_trace(function)

@@ -185,7 +185,7 @@ def rewrote(plan: Plan, graph: tf.Graph) -> None:
     in_step = (f" ({plan.in_step_ratio:.2f}x in a step that applies each gradient as it "
                f"is made)" if plan.in_step_differs() else "")
     logger.info(
-        "memory_saving_gradients: rewrote the gradients of %s%s: checkpoints=%r, %d "
+        "rewrote the gradients of %s%s: checkpoints=%r, %d "
         "checkpoints, predicted peak %.2f MB vs %.2f MB plain (%.2fx)%s%s, recomputation "
         "%.2f of a forward pass",
         what, again, plan.strategy, len(plan.checkpoints),

@@ -214,7 +214,7 @@ def checkpointed_gradient(
     ys = [_as_target(t) for t in flat_targets]
     graph = ys[0].graph
     if graph is not recording.graph:
-        logger.debug("memory_saving_gradients: target not in the tape's graph; plain gradient")
+        logger.debug("target not in the tape's graph; plain gradient")
         return plain()
     watched = _end_recording(tape, recording)
     grad_ys = None
@@ -226,7 +226,7 @@ def checkpointed_gradient(
     on_tape = [i for i, (value, y) in enumerate(zip(flat_targets, ys))
                if is_variable(value) or _on_tape(y, recording)]
     if len(on_tape) < len(ys):
-        logger.debug("memory_saving_gradients: %d target(s) made outside the tape give "
+        logger.debug("%d target(s) made outside the tape give "
                      "no gradient, as the tape's own", len(ys) - len(on_tape))
         ys = [ys[i] for i in on_tape]
         grad_ys = None if grad_ys is None else [grad_ys[i] for i in on_tape]
@@ -296,7 +296,7 @@ def _stays_plain(tape, config: Config) -> bool:
         return True
     reason = _plain_reason(tape)
     if reason is not None:
-        logger.debug("memory_saving_gradients: plain tape gradient (%s)", reason)
+        logger.debug("plain tape gradient (%s)", reason)
         if reason not in _SILENT_REASONS:
             reporting.left_plain(config.record, reason, tf.compat.v1.get_default_graph())
         return True

@@ -112,7 +112,7 @@ def _install() -> None:
             continue
         _installed[name] = (previous, function)
         setattr(cls, name, function)
-    logger.debug("memory_saving_gradients: tf.GradientTape methods replaced")
+    logger.debug("tf.GradientTape methods replaced")
 
 
 def _uninstall() -> None:
@@ -126,4 +126,4 @@ def _uninstall() -> None:
             )
         setattr(cls, name, previous)
     _installed.clear()
-    logger.debug("memory_saving_gradients: tf.GradientTape methods restored")
+    logger.debug("tf.GradientTape methods restored")
