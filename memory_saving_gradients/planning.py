@@ -84,6 +84,14 @@ class Plan:
         return ratio is not None and abs(ratio - self.predicted_ratio) >= IN_STEP_NOTE_DIFFERENCE
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """The checkpoints' bytes together, as the memory model sizes them (at
+        :attr:`batch` where the graph has unknown sizes): per-channel statistics and
+        other small tensors count in :attr:`checkpoints` but weigh little here."""
+        size = simulate.Sizer(self.batch or 1)
+        return sum(size(t) for t in self.checkpoints)
+
+    @property
     def batch_known(self) -> bool:
         """Whether the graph's shapes are fully known (then peaks do not depend on a batch)."""
         return self.batch is None
@@ -159,7 +167,8 @@ class Plan:
     def __str__(self) -> str:
         mb = MIB
         lines = [
-            f"Plan ({self.strategy}): {len(self.checkpoints)} checkpoints, predicted peak "
+            f"Plan ({self.strategy}): {len(self.checkpoints)} checkpoints "
+            f"({self.checkpoint_bytes / mb:.2f} MB), predicted peak "
             f"{self.predicted_peak_bytes / mb:.1f} MB vs {self.baseline_peak_bytes / mb:.1f} MB "
             f"for tf.gradients ({self.predicted_ratio:.2f}x), recomputation "
             f"{self.recompute_cost:.2f} of a forward pass, predicted step time "

@@ -186,9 +186,9 @@ def rewrote(plan: Plan, graph: tf.Graph) -> None:
                f"is made)" if plan.in_step_differs() else "")
     logger.info(
         "rewrote the gradients of %s%s: checkpoints=%r, %d "
-        "checkpoints, predicted peak %.2f MB vs %.2f MB plain (%.2fx)%s%s, recomputation "
+        "checkpoints (%.2f MB), predicted peak %.2f MB vs %.2f MB plain (%.2fx)%s%s, recomputation "
         "%.2f of a forward pass",
-        what, again, plan.strategy, len(plan.checkpoints),
+        what, again, plan.strategy, len(plan.checkpoints), plan.checkpoint_bytes / mb,
         plan.predicted_peak_bytes / mb, plan.baseline_peak_bytes / mb, plan.predicted_ratio,
         in_step, _at_batch(plan), plan.recompute_cost,
     )

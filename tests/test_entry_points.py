@@ -297,7 +297,9 @@ def _assert_reported(handle, lines, where):
     assert isinstance(plan, msg.Plan) and plan.checkpoints and plan.strategy == "memory"
     assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
     assert where in lines[0], lines[0]
-    assert f"{len(plan.checkpoints)} checkpoints" in lines[0]
+    assert f"{len(plan.checkpoints)} checkpoints ({plan.checkpoint_bytes / 2**20:.2f} MB)" \
+        in lines[0], lines[0]
+    assert 0 < plan.checkpoint_bytes < plan.predicted_peak_bytes
     assert f"{plan.predicted_peak_bytes / 2**20:.2f} MB vs {plan.baseline_peak_bytes / 2**20:.2f}"\
         in lines[0]
     assert ("unknown size" in lines[0]) == (plan.batch is not None), lines[0]

@@ -89,3 +89,5 @@ def test_a_plan_lists_its_checkpoints_at_the_memory_models_sizes(graph):
     lines = {line.split()[0]: line for line in str(plan).splitlines()[1:]}
     assert lines[rows.name].endswith(f"{32 * 64 * 32 * 4 / 2**20:9.2f} MB"), str(plan)
     assert lines[hidden.name].endswith(f"{32 * 64 * 256 * 4 / 2**20:9.2f} MB"), str(plan)
+    assert plan.checkpoint_bytes == 32 * 64 * (32 + 256) * 4, str(plan)
+    assert f"2 checkpoints ({plan.checkpoint_bytes / 2**20:.2f} MB)" in str(plan), str(plan)
