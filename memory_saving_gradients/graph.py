@@ -174,6 +174,10 @@ def is_recomputable(op: tf.Operation) -> bool:
     """Whether running a copy of ``op`` again is guaranteed to give the same result.
 
     Stateful ops (random draws, variable reads and writes, queues, prints),
+    ops that draw random numbers from ``seed``/``seed2`` attributes whatever their
+    registration says (``FractionalMaxPool`` and ``FractionalAvgPool`` are registered
+    stateless, yet with the default seed 0 each kernel draws its own pooling regions:
+    a copy pooled other regions than the forward op, and the gradients came out wrong),
     control flow, function calls, ops in a v1 control-flow context, ops on
     reference tensors and ops that make or read a variant (a ``TensorList``, which
     holds tensors whose bytes the memory model cannot see: keeping one to recompute
@@ -181,6 +185,8 @@ def is_recomputable(op: tf.Operation) -> bool:
     instead.
     """
     if op.type in op_types.CONTROL_FLOW:
+        return False
+    if draws_from_seed_attributes(op):
         return False
     if any(t.dtype == tf.variant for t in op.inputs) or any(
             t.dtype == tf.variant for t in op.outputs):
@@ -199,6 +205,16 @@ def is_recomputable(op: tf.Operation) -> bool:
     ):
         return False
     return bool(op.inputs)
+
+
+def draws_from_seed_attributes(op: tf.Operation) -> bool:
+    """Whether ``op``'s kernel draws random numbers seeded by its ``seed`` and ``seed2``
+    attributes (the op declares both): a second kernel of the same op draws again."""
+    try:
+        names = {attr.name for attr in op.op_def.attr}
+    except (AttributeError, ValueError):  # functions called by name have no OpDef
+        return False
+    return {"seed", "seed2"} <= names
 
 
 def custom_gradient_arguments(op: tf.Operation) -> tuple | None:

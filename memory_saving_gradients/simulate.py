@@ -62,15 +62,20 @@ class Prediction:
     forward_seconds: float = 0.0
     backward_seconds: float = 0.0
     recompute_seconds: float = 0.0
+    # the gradients of ops that more than one step differentiates, beyond the first time
+    repeated_backward_seconds: float = 0.0
 
     @property
     def recompute_work(self) -> float:
-        """The recomputation in the planner's cost: the time model's seconds of the copies."""
-        return self.recompute_seconds
+        """What the plan adds to the step in the planner's cost (the time model's
+        seconds): the copies, and the gradients taken again where two steps'
+        segments share ops (groups that could not be merged, as on an unrolled LSTM
+        whose kept tensors cut one of its two state paths but not the other)."""
+        return self.recompute_seconds + self.repeated_backward_seconds
 
     @property
     def recompute_cost(self) -> float:
-        """The recomputation's time model seconds, as a fraction of one forward pass's."""
+        """:attr:`recompute_work` as a fraction of one forward pass's seconds."""
         return self.recompute_work / self.forward_work if self.forward_work else 0.0
 
     @property
@@ -78,7 +83,7 @@ class Prediction:
         """Predicted time of the region's forward and backward pass with the recomputation,
         over the time without it."""
         plain = self.forward_seconds + self.backward_seconds
-        return (plain + self.recompute_seconds) / plain if plain else 1.0
+        return (plain + self.recompute_work) / plain if plain else 1.0
 
 
 #: Ops whose output dimensions are the value of one of their inputs (its index): a
@@ -522,11 +527,16 @@ def _step_seconds(region: graph_lib.ForwardRegion, size: Sizer) -> tuple[float, 
     for op in region.order:
         if op.type in _NO_KERNEL_OP_TYPES:
             continue
-        seconds = size.seconds(op)
-        forward += seconds
-        if op.type not in op_types.SHAPE_ONLY_READERS:
-            backward += timing.backward_seconds(seconds, timing.kind_of(op.type), throughput)
+        forward += size.seconds(op)
+        backward += _gradient_seconds(op, size, throughput)
     return forward, backward
+
+
+def _gradient_seconds(op: tf.Operation, size: Sizer, throughput) -> float:
+    """The time model's seconds of ``op``'s gradient (0 for an op without a kernel)."""
+    if op.type in _NO_KERNEL_OP_TYPES or op.type in op_types.SHAPE_ONLY_READERS:
+        return 0.0
+    return timing.backward_seconds(size.seconds(op), timing.kind_of(op.type), throughput)
 
 
 #: Ops that run no kernel of their own in a step (grappler folds constants; a
@@ -727,7 +737,7 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
         memo[op] = found
     reads, outputs, emitted, closure = found
     if not grads.has_any(outputs):
-        return  # no gradient reaches it (a custom gradient's inner ops): not differentiated
+        return False  # no gradient reaches it (a custom gradient's inner ops): not differentiated
     for ref in reads:
         # a custom gradient's closure reads the forward pass's tensors, also for a copy
         timeline.use(ref if closure else rename(ref), step)
@@ -735,6 +745,7 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
     for ref, nbytes in emitted:
         grads.add(ref, nbytes, step)
     _scratch(timeline, size.scratch(op, gradient=True), step)
+    return True
 
 
 def _loop_key(op: tf.Operation) -> tuple:
@@ -806,7 +817,7 @@ def predict_checkpointed(
     return Prediction(
         replay.timeline.peak(replay.step + 1), forward_work, size.assumptions(),
         tuple(replay.recomputed.most_common()), forward_seconds, backward_seconds,
-        replay.recompute_seconds,
+        replay.recompute_seconds, replay.repeated_backward_seconds(),
     )
 
 
@@ -895,6 +906,7 @@ class _Replay:
         self.recompute_seconds = 0.0  # the planner's cost of the copies (Sizer.cost)
         self.recomputed: collections.Counter = collections.Counter()
         self.windows: dict = {}  # recomputed step's index -> its (first, last) timeline step
+        self.differentiated: collections.Counter = collections.Counter()  # op -> times
 
     def take(self, backward_step) -> None:
         """One step: its segment's recomputation, if recomputed, then its ops' gradients."""
@@ -915,10 +927,19 @@ class _Replay:
             self.step += 1
             if self.gates is not None and recompute and self._is_gated_product(op, inside):
                 self._note_gate((index, position[op]), op, rename)
-            _backward_op(op, self.step, self.timeline, self.grads, self.region, self.xs_refs,
-                         self.size, self.memo, rename)
+            if _backward_op(op, self.step, self.timeline, self.grads, self.region,
+                            self.xs_refs, self.size, self.memo, rename):
+                self.differentiated[op] += 1
         if recompute:  # the recomputation and the gradients: an early op may span both
             self.windows[index] = (first, self.step)
+
+    def repeated_backward_seconds(self) -> float:
+        """The time model's seconds of the gradients taken more than once: an op in the
+        segments of two steps (groups that could not be merged) is differentiated by
+        each, with its part of the incoming gradient."""
+        throughput = timing.current()
+        return sum((times - 1) * _gradient_seconds(op, self.size, throughput)
+                   for op, times in self.differentiated.items() if times > 1)
 
     def _is_gated_product(self, op, inside: set) -> bool:
         """A product of a recomputed tensor and one that is not, both needing a gradient."""
