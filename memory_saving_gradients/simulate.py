@@ -49,6 +49,9 @@ _END = float("inf")
 #: :data:`.ops.SAME_ELEMENTS`: outputs that hold exactly their first input's elements.
 _SAME_ELEMENTS_OP_TYPES = op_types.SAME_ELEMENTS
 
+#: Ops whose output is a part of their first input, dimension by dimension.
+_SLICES = frozenset({"Slice", "StridedSlice"})
+
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
@@ -177,6 +180,10 @@ class Sizer:
             product = self._product_shape(op, inputs, dims, depth)
             if product is not None:
                 return product
+        if op.type in _SLICES and inputs and not deep:
+            sliced = self._slice_shape(op, dims, depth)
+            if sliced is not None:
+                return sliced
         if op.type in _SAME_ELEMENTS_OP_TYPES and inputs and not deep:
             source = self.shape(inputs[0], depth + 1)
             if source is not None:
@@ -201,6 +208,19 @@ class Sizer:
                         estimated[i] = source[i]
                         break
         return estimated
+
+    def _slice_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
+        """A slice's unknown dimensions as its input's: a slice never makes a dimension
+        larger, and where its bounds are computed at run time (a random crop's offsets)
+        the input's size is the bound to plan for.  None where the slice adds or drops
+        dimensions."""
+        if op.type == "StridedSlice" and (op.get_attr("new_axis_mask")
+                                          or op.get_attr("shrink_axis_mask")):
+            return None
+        source = self.shape(op.inputs[0], depth + 1)
+        if source is None or len(source) != len(dims):
+            return None
+        return [source[i] if d is None else d for i, d in enumerate(dims)]
 
     def _product_shape(self, op: tf.Operation, inputs: list, dims: list,
                        depth: int) -> list | None:

@@ -262,6 +262,32 @@ def test_run_time_reshape_targets_follow_the_batch():
 
 
 @pytest.mark.unit
+def test_a_slice_with_run_time_bounds_is_planned_at_its_input_s_size():
+    """A random crop (Keras 3 ``RandomCrop`` slices at random offsets) has unknown
+    height and width. Counted as the planning batch (4096 each), one 32x12x12x16 crop
+    was planned as 32 GB and the warning said "a peak of 65538.81 MB" for a 5 MB step;
+    a slice is never larger than its input, so that is its size."""
+    from memory_saving_gradients import simulate
+
+    with tf.Graph().as_default():
+        h = tf.compat.v1.placeholder(tf.float32, [None, 16, 16, 8])
+        weights = [tf.Variable(tf.random.stateless_normal([3, 3, 8, 8], seed=[i, 3]))
+                   for i in range(6)]
+        for i, w in enumerate(weights):
+            h = tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME"))
+            if i == 2:
+                offset = tf.random.uniform([], 0, 4, dtype=tf.int32)
+                h = h[:, offset:offset + 12, offset:offset + 12, :]
+                crop = h
+        assert crop.shape.as_list() == [None, None, None, 8]
+        size = simulate.Sizer(32)
+        assert size.shape(crop) == [32, 16, 16, 8]
+        assert size.shape(h) == [32, 16, 16, 8]  # what follows keeps the bound
+        the_plan = msg.plan(tf.reduce_sum(h * h), weights, checkpoints="memory")
+        assert the_plan.peak_at(4096, plain=True) <= 4096 * 16 * 16 * 8 * 4 * 40, str(the_plan)
+
+
+@pytest.mark.unit
 def test_an_unknown_sequence_length_is_not_called_the_batch():
     """Unknown dimensions besides the batch: the plan says that every unknown dimension
     is counted as one size (so batch_size= sets it too); where the first dimension of
