@@ -211,6 +211,24 @@ def while_body_graph(op: tf.Operation):
     return getattr(op, "_body_graph", None)
 
 
+def while_cond_graph(op: tf.Operation):
+    """The condition ``FuncGraph`` of a v2 ``While`` op built in this process, or None."""
+    return getattr(op, "_cond_graph", None)
+
+
+def static_value_in(graph, tensor: tf.Tensor):
+    """``tensor``'s value where it is static, also where a ``FuncGraph`` captured it
+    from an enclosing graph (a loop's condition reading the function's ``tf.range``
+    limit); else None."""
+    value = tf.get_static_value(tensor)
+    if value is not None:
+        return value
+    for external, internal in getattr(graph, "captures", None) or ():
+        if internal is tensor:
+            return static_value_in(getattr(graph, "outer_graph", None), external)
+    return None
+
+
 def is_ref_dtype(dtype: tf.DType) -> bool:
     """Whether ``dtype`` is a v1 reference type (``float32_ref``, ...)."""
     return dtype._is_ref_dtype

@@ -19,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import math
 import os
 import weakref
 from typing import Callable, Hashable, Iterable, Sequence
+
+import numpy as np
 
 from . import _tensorflow as _tf_internals
 from . import ops as op_types
@@ -304,7 +307,8 @@ class LoopAccumulators:
     of it holds the variable's own buffer):
     TensorFlow pushes each onto a ``TensorList`` every iteration, and the loop's
     gradient pops them.  ``steps``: the trip count where it is static (the loop's
-    ``maximum_iterations``, or the length of a list the loop reads), else None.
+    ``maximum_iterations``, a counted condition's, or the length of a list the loop
+    reads), else None.
     ``zeros_per_step``: the items the body writes into a list (``TensorListSetItem``, a
     recurrent layer's output sequence) whose shape is not static: each iteration of the
     loop's gradient writes a new zeros tensor of that item's size into the list's
@@ -364,13 +368,17 @@ def _buffer_root(tensor: tf.Tensor) -> tf.Tensor:
 
 def _trip_count(op: tf.Operation) -> int | None:
     """A ``While``'s static trip count: its ``maximum_iterations`` (its second input,
-    as ``while_v2`` builds it), or else the longest static length of a list it reads
+    as ``while_v2`` builds it), or else a counted condition's (:func:`_counted_trip_count`),
+    or else the longest static length of a list it reads
     (the sequence a recurrent layer steps through, from ``TensorListFromTensor``;
     the lists it writes, from ``TensorListReserve``, may be shorter)."""
     if len(op.inputs) > 1:
         limit = tf.get_static_value(op.inputs[1])
         if limit is not None and int(limit) >= 0:
             return int(limit)
+    counted = _counted_trip_count(op)
+    if counted is not None:
+        return counted
     lengths = []
     for t in op.inputs:
         maker = t.op
@@ -380,6 +388,56 @@ def _trip_count(op: tf.Operation) -> int | None:
             lengths.append(tf.get_static_value(maker.inputs[1]))
     lengths = [int(n) for n in lengths if n is not None and int(n) >= 0]
     return max(lengths) if lengths else None
+
+
+#: Comparisons a counted loop's condition makes, and the sign of the step that ends it.
+_LOOP_TESTS = {"Less": 1, "LessEqual": 1, "Greater": -1, "GreaterEqual": -1}
+_FLIPPED_TESTS = {"Less": "Greater", "LessEqual": "GreaterEqual",
+                  "Greater": "Less", "GreaterEqual": "LessEqual"}
+
+
+def _through_identities(tensor: tf.Tensor) -> tf.Tensor:
+    while tensor.op.type == "Identity":
+        tensor = tensor.op.inputs[0]
+    return tensor
+
+
+def _counted_trip_count(op: tf.Operation) -> int | None:
+    """The trip count of a counted loop: a condition ``i < limit`` (``<=``, ``>``,
+    ``>=``) on a loop variable that starts at a static value and that the body steps
+    by a static amount, with a static limit (``tf.while_loop(lambda i, h: i < 6, ...)``,
+    autograph's ``for i in tf.range(n)`` with ``n`` static); None for any other loop."""
+    cond, body = _tf_internals.while_cond_graph(op), _tf_internals.while_body_graph(op)
+    if cond is None or body is None or len(cond.outputs) != 1:
+        return None
+    test = _through_identities(cond.outputs[0]).op
+    if test.type not in _LOOP_TESTS or len(test.inputs) != 2:
+        return None
+    kind, (var, bound) = test.type, test.inputs
+    positions = {t.ref(): i for i, t in enumerate(cond.inputs)}
+    if var.ref() not in positions:
+        kind, (bound, var) = _FLIPPED_TESTS[kind], test.inputs
+    index = positions.get(var.ref())
+    limit = _tf_internals.static_value_in(cond, bound)
+    if index is None or limit is None or index >= min(len(op.inputs), len(body.outputs)):
+        return None
+    start = tf.get_static_value(op.inputs[index])
+    stepped = _through_identities(body.outputs[index]).op
+    if start is None or stepped.type not in ("Add", "AddV2", "Sub") or len(stepped.inputs) != 2:
+        return None
+    step = None
+    for mine, other in (stepped.inputs, reversed(stepped.inputs)):
+        if mine is body.inputs[index] and (stepped.type != "Sub" or mine is stepped.inputs[0]):
+            step = _tf_internals.static_value_in(body, other)
+            break
+    if step is None or np.ndim(start) or np.ndim(limit) or np.ndim(step):
+        return None
+    step = -float(step) if stepped.type == "Sub" else float(step)
+    if step == 0 or np.sign(step) != _LOOP_TESTS[kind]:
+        return None
+    span = (float(limit) - float(start)) / step
+    count = math.ceil(span) if kind in ("Less", "Greater") else math.floor(span) + 1
+    return max(0, int(count))
 
 
 def gradient_reads_output_of(op: tf.Operation, consumer: tf.Operation,

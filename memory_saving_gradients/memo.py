@@ -22,7 +22,7 @@ import threading
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from ._tensorflow import tf
-from .graph import ForwardRegion
+from .graph import ForwardRegion, loop_accumulators
 
 if TYPE_CHECKING:
     from .planning import Plan
@@ -53,10 +53,21 @@ def fingerprint(region: ForwardRegion, ys: Sequence[tf.Tensor], xs: Sequence[tf.
     for op in region.order:
         inputs = ",".join(describe(t) for t in op.inputs)
         outputs = ",".join(f"{t.dtype.name}{t.shape}" for t in op.outputs)
-        digest.update(f"{op.type}({inputs})->{outputs};".encode())
+        digest.update(f"{op.type}({inputs})->{outputs}{_loop_signature(op)};".encode())
     digest.update(("ys:" + ",".join(describe(y) for y in ys)).encode())
     digest.update(("xs:" + ",".join(describe(x) for x in xs)).encode())
     return digest.hexdigest()
+
+
+def _loop_signature(op: tf.Operation) -> str:
+    """What a v2 while loop keeps for its gradient and how often (its trip count): sizes
+    the loop's outputs do not show (a loop bounded by 6 and one bounded by 24 have the
+    same outputs); empty for any other op."""
+    kept = loop_accumulators(op)
+    if kept is None:
+        return ""
+    tensors = ",".join(f"{t.dtype.name}{t.shape}" for t in kept.per_step + kept.zeros_per_step)
+    return f"[{kept.steps}x{len(kept.per_step)}:{tensors}]"
 
 
 def remembered(key: tuple, region: ForwardRegion, choose: Callable[[], list]) -> list:
