@@ -159,6 +159,13 @@ GRADIENT_READS_DIVISOR = frozenset({"RealDiv", "Div", "DivNoNan"})
 #: The gradient passes each output gradient's kind (dense / ``IndexedSlices``) on to
 #: the matching input (or the one output's kind to every input).
 GRADIENT_PASSES_KIND = frozenset({"Identity", "IdentityN", "ReadVariableOp", "AddN", "Cast"})
+#: Activations whose gradient is one elementwise kernel of their output's (or input's)
+#: value and their output's gradient (``ReluGrad``, ``TanhGrad``, ...): TensorFlow's
+#: kernel writes its result into the incoming gradient's buffer when nothing else holds
+#: it (``forward_input_or_allocate_output``), so the input's gradient takes no new buffer.
+GRADIENT_WRITES_INTO_INCOMING = frozenset({
+    "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus", "Softsign",
+})
 #: Gathers: the gradient of the params is an ``IndexedSlices`` (for ``GatherV2``, on axis 0).
 GATHERS = frozenset({"GatherV2", "ResourceGather", "Gather"})
 

@@ -709,6 +709,18 @@ class _Gradients:
             for key in self.pending.pop(ref, ()):
                 self.timeline.buffers[key][1] = step
 
+    def hand_over(self, ref, size: int, step: float) -> bool:
+        """Ends the one pending gradient of ``ref`` as the step starts, where it has
+        ``size`` bytes: the step's kernel writes its result into that buffer (see
+        :data:`.ops.GRADIENT_WRITES_INTO_INCOMING`).  False where there is not exactly
+        one such buffer (several contributions are summed into a new one first)."""
+        keys = self.pending.get(ref, ())
+        if len(keys) != 1 or self.timeline.buffers[keys[0]][2] != size:
+            return False
+        self.pending.pop(ref)
+        self.timeline.buffers[keys[0]][1] = step - 0.5  # freed before the step allocates
+        return True
+
     def finish(self, keep: bool = True, results=None) -> None:
         """Gradients never consumed (those of xs): fetched (kept to the end) or used at once.
 
@@ -761,6 +773,9 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
     for ref in reads:
         # a custom gradient's closure reads the forward pass's tensors, also for a copy
         timeline.use(ref if closure else rename(ref), step)
+    if (op.type in op_types.GRADIENT_WRITES_INTO_INCOMING and len(outputs) == 1
+            and len(emitted) == 1):
+        grads.hand_over(outputs[0], emitted[0][1], step)
     grads.consume(outputs, step)
     for ref, nbytes in emitted:
         grads.add(ref, nbytes, step)

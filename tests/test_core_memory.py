@@ -330,3 +330,31 @@ def test_stop_gradients_cut_the_planned_region(graph, measure_peak):
     assert abs(the_plan.predicted_peak_bytes / ours - 1) <= 0.10, summary
     assert abs(the_plan.baseline_peak_bytes / plain - 1) <= 0.15, summary
     assert ours < plain, summary
+
+
+@pytest.mark.memory
+def test_activation_gradients_write_into_the_incoming_gradient(graph, measure_peak):
+    """Three conv-ReLU layers and a global average pool (a spectrogram front end): the
+    mean's gradient makes one activation-sized buffer, and each ``ReluGrad`` writes its
+    result into its incoming gradient's buffer (TensorFlow forwards a buffer nothing
+    else holds). The model allocated a new one: plain's peak was predicted one
+    activation high (286.8 MB against 223.7 measured at batch 16), so a plan promised
+    0.78x and measured 1.00x. Now plain's and 'memory''s peaks are within 5% of the
+    measured ones, and 'memory' saves what it predicts."""
+    rng = np.random.default_rng(0)
+    x = tf.compat.v1.placeholder(tf.float32, [4, 96, 96, 1])
+    h, weights = x, []
+    for channels_in, channels in ((1, 16), (16, 32), (32, 32)):
+        weights.append(tf.Variable(
+            rng.standard_normal((3, 3, channels_in, channels)).astype(np.float32) / 4))
+        h = tf.nn.relu(tf.nn.conv2d(h, weights[-1], 1, "SAME"))
+    loss = tf.reduce_sum(tf.square(tf.reduce_mean(h, axis=[1, 2])))
+    feed = {x: rng.standard_normal((4, 96, 96, 1)).astype(np.float32)}
+    the_plan = msg.plan(loss, weights, checkpoints="memory")
+    plain = min(measure_peak(tf.compat.v1.gradients(loss, weights), feed)[0] for _ in range(2))
+    ours = min(measure_peak(msg.gradients(loss, weights, checkpoints="memory"), feed)[0]
+               for _ in range(2))
+    summary = f"measured plain {plain / MIB:.2f} MiB, 'memory' {ours / MIB:.2f};\n{the_plan}"
+    assert abs(the_plan.baseline_peak_bytes / plain - 1) <= 0.05, summary
+    assert abs(the_plan.predicted_peak_bytes / ours - 1) <= 0.05, summary
+    assert ours <= 0.95 * plain, summary
