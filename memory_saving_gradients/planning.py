@@ -117,6 +117,17 @@ class Plan:
                       / max(self.peak_at(b, plain=True, in_step=in_step), 1))
                      for b in batch_lib.PLANNING_BATCHES)
 
+    @property
+    def depends_on_batch(self) -> bool:
+        """Whether the predicted peaks change with the unknown size (False where every
+        shape is known, or where the unknown sizes are bounded: a slice of a known
+        tensor)."""
+        if self.batch is None or self._model is None:
+            return False
+        peaks = {(self.peak_at(b), self.peak_at(b, plain=True))
+                 for b in batch_lib.PLANNING_BATCHES}
+        return len(peaks) > 1
+
     @functools.cached_property
     def _in_step_model(self) -> batch_lib.PeakModel:
         """:attr:`_model` with each gradient used as it is made (not fetched)."""
@@ -187,7 +198,7 @@ class Plan:
         for t in self.checkpoints:
             lines.append(f"  {t.name:<60s} {str(t.shape):<22s} {size(t) / mb:9.2f} MB")
         lines.extend(f"  assumed: {a}" for a in self.assumptions)
-        if self.batch is not None and self._model is not None:
+        if self.depends_on_batch:
             lines.append("  predicted peak by batch (this plan / tf.gradients): " + ", ".join(
                 f"{b}: {self.peak_at(b) / mb:.1f} / {self.peak_at(b, plain=True) / mb:.1f} MB"
                 for b in batch_lib.PLANNING_BATCHES))

@@ -197,7 +197,7 @@ def rewrote(plan: Plan, graph: tf.Graph) -> None:
 def _at_batch(plan: Plan) -> str:
     """Where the graph has unknown sizes: the size the figures are at, and the step's
     ratio at the planning batches (``Plan.peak_at`` gives any other)."""
-    if plan.batch is None:
+    if not plan.depends_on_batch:
         return ""
     ratios = ", ".join(f"{b}: {ratio:.2f}x" for b, ratio in plan.ratios_by_batch(in_step=True))
     return (f" at an unknown size counted as {plan.batch} (in a step, by batch: {ratios}; "

@@ -11,6 +11,7 @@ the plan made with B stated (``batch_size=B``), measured on the same graph
 
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
@@ -285,6 +286,32 @@ def test_a_slice_with_run_time_bounds_is_planned_at_its_input_s_size():
         assert size.shape(h) == [32, 16, 16, 8]  # what follows keeps the bound
         the_plan = msg.plan(tf.reduce_sum(h * h), weights, checkpoints="memory")
         assert the_plan.peak_at(4096, plain=True) <= 4096 * 16 * 16 * 8 * 4 * 40, str(the_plan)
+        assert the_plan.depends_on_batch, str(the_plan)
+
+
+@pytest.mark.unit
+def test_a_plan_whose_figures_do_not_depend_on_the_unknown_size_does_not_say_one(caplog):
+    """With the batch known, a random crop's unknown height and width are bounded by
+    its input's: no figure depends on the size the unknown dimensions are counted as,
+    so the INFO line and ``str(plan)`` do not give figures "at an unknown size counted
+    as 32" by batch (all the same)."""
+    with tf.Graph().as_default():
+        h = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 8])
+        weights = [tf.Variable(tf.random.stateless_normal([3, 3, 8, 8], seed=[i, 4]))
+                   for i in range(6)]
+        for i, w in enumerate(weights):
+            h = tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME"))
+            if i == 2:
+                offset = tf.random.uniform([], 0, 4, dtype=tf.int32)
+                h = h[:, offset:offset + 12, offset:offset + 12, :]
+        loss = tf.reduce_sum(h * h)
+        the_plan = msg.plan(loss, weights, checkpoints="memory")
+        assert the_plan.batch is not None and not the_plan.depends_on_batch, str(the_plan)
+        assert "by batch" not in str(the_plan), str(the_plan)
+        with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+            msg.gradients(loss, weights, checkpoints="memory")
+        lines = [r.getMessage() for r in caplog.records if "rewrote the gradients" in r.getMessage()]
+        assert lines and not any("unknown size" in line for line in lines), lines
 
 
 @pytest.mark.unit
