@@ -978,7 +978,7 @@ class DisjointSets:
 
 def backward_groups(
     region: ForwardRegion, kept: dict, producers: Iterable[tf.Operation],
-    isolated: frozenset = frozenset(),
+    isolated: frozenset = frozenset(), results: frozenset = frozenset(),
 ) -> list:
     """``[(members, segment)]``: the groups the backward pass differentiates, in its order.
 
@@ -991,7 +991,10 @@ def backward_groups(
     tensors (those complete its gradients); a merge that would make that
     impossible (a cycle: a member's gradient waiting for a group that reads
     another member) is split again (all merges are, if the groups' reads form a
-    cycle without one, as around a v1 loop).  ``isolated`` ops (v1 control-flow
+    cycle without one, as around a v1 loop).  Within a merged group, a member's kept
+    tensor that another member's segment reads is read as its copy (the group's
+    gradients flow through it), unless its ref is in ``results`` (an x, whose own
+    gradient is wanted): then it stays an input, and the merge is split.  ``isolated`` ops (v1 control-flow
     constructs, stop_gradients) are never merged; their segment is None (the
     caller makes it).  Among the groups that are ready, the latest comes
     first: without merges this is reverse topological order, as before.
@@ -1024,7 +1027,7 @@ def backward_groups(
         if all(len(g) == 1 for g in groups):
             order = sorted(groups, key=lambda g: position[g[0]], reverse=True)
             break
-        order, stuck = _reverse_dependency_order(groups, segments, position)
+        order, stuck = _reverse_dependency_order(groups, segments, position, results)
         if not stuck:
             break
         # split the merged groups on a cycle; a cycle without one (the back edge of
@@ -1037,7 +1040,9 @@ def backward_groups(
             result.append((group, segments.get(group[0])))
             continue
         ops = {o for m in group for o in segments[m].ops}
-        inputs = {t.ref(): t for m in group for t in segments[m].inputs}
+        # a member's kept tensor that another member's segment reads is read as its copy
+        inputs = {t.ref(): t for m in group for t in segments[m].inputs
+                  if t.op not in ops or t.ref() in results}
         result.append((group, Segment(
             targets=tuple(t for m in group for t in segments[m].targets),
             ops=tuple(sorted(ops, key=op_order)),
@@ -1047,7 +1052,8 @@ def backward_groups(
     return result
 
 
-def _reverse_dependency_order(groups: list, segments: dict, position: dict) -> tuple:
+def _reverse_dependency_order(groups: list, segments: dict, position: dict,
+                              results: frozenset = frozenset()) -> tuple:
     """``(order, stuck)``: the groups, each after every group whose segment reads one of
     its tensors, the latest ready one first; ``stuck``: the groups on or behind a cycle."""
     group_of = {op: g for g in groups for op in g}
@@ -1058,8 +1064,9 @@ def _reverse_dependency_order(groups: list, segments: dict, position: dict) -> t
             segment = segments.get(m)
             for t in segment.inputs if segment is not None else ():
                 source = group_of.get(t.op)
-                if source is None or source in feeds[g]:
-                    continue
+                if source is None or source in feeds[g] or (
+                        source is g and t.ref() not in results):
+                    continue  # a member's tensor another member reads: read as its copy
                 feeds[g].add(source)
                 waiting[source] += 1
     ready = [(-max(position[m] for m in g), g) for g in groups if not waiting[g]]

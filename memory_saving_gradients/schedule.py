@@ -165,6 +165,7 @@ def backward_schedule(
     groups = graph_lib.backward_groups(
         region, kept, producers,
         isolated=frozenset(op for op in producers if op in constructs or op in stop_ops),
+        results=frozenset(x.ref() for x in xs),
     )
     steps = tuple(
         _step(index, group, segment, kept, facts)

@@ -179,12 +179,13 @@ def test_in_place_steps_of_variable_reads_add_no_identities():
 
 def test_gradients_taken_again_where_segments_share_ops_count_in_the_step_time():
     """An unrolled LSTM whose kept tensors cut its ``h`` path but not its ``c`` path:
-    the segments of two kept ``h`` share the gates and cell updates before the first
-    (one reads the other's ``h``, so they cannot be merged), and each step
-    differentiates them with its part of the gradient. The rewrite builds those
-    gradients twice, and the time model counts them: on a Keras ``LSTM(unroll=True)``
-    stack it predicted 1.30x where the step measured 1.53-1.57x CPU time, and 1.58x
-    with them."""
+    the segments of two kept ``h`` share the gates and cell updates before the first.
+    Where they cannot be merged (the first ``h`` is also an x, whose own gradient is
+    wanted, so the second's segment must read it as an input), each step
+    differentiates the shared ops with its part of the gradient. The rewrite builds
+    those gradients twice, and the time model counts them (a Keras ``LSTM(unroll=True)``
+    stack, before such segments were merged: 1.30x predicted without them, 1.58x with
+    them, 1.53-1.57x measured CPU time)."""
     from memory_saving_gradients import graph as graph_lib
     from memory_saving_gradients import simulate
 
@@ -200,7 +201,9 @@ def test_gradients_taken_again_where_segments_share_ops_count_in_the_step_time()
             h = tf.sigmoid(o) * tf.tanh(c)
             hs.append(h)
         loss = tf.reduce_sum(h * h)
-        weights = [kernel, recurrent]
+        # hs[1] is an x too: its own gradient is wanted, so hs[3]'s segment reads it as
+        # an input, and the two segments cannot be merged
+        weights = [kernel, recurrent, hs[1]]
         kept = [hs[1], hs[3]]
         the_plan = msg.plan(loss, weights, checkpoints=kept)
         times = {}

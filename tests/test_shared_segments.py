@@ -94,6 +94,42 @@ def test_a_merge_that_would_cut_a_chain_is_split(graph):
     np.testing.assert_allclose(values[0], expected[0], rtol=1e-5, atol=1e-6)
 
 
+def test_a_member_that_another_member_reads_is_read_as_its_copy(graph):
+    """An unrolled LSTM whose kept tensors are some steps' ``h`` but no ``c``: the
+    segment of a later ``h`` walks back through the cell updates into the earlier
+    ``h``'s segment, and reads that ``h``. Split into one group per ``h`` (that read
+    made the merge look like a cycle), each step differentiated the shared gates: a
+    Keras ``LSTM(256, unroll=True)`` stack's 'memory' step built 141 ``SigmoidGrad``
+    against plain's 96 and took 1.53-1.57x plain's CPU time. Merged, the later ``h``
+    reads the earlier one's copy: every gate's gradient runs once, as in plain (that
+    stack: 96, 1.12x), and the gradients are exact."""
+    rng = np.random.RandomState(2)
+    x = tf.constant(rng.randn(4, 6, 8).astype(np.float32))
+    kernel = tf.Variable(rng.randn(8, 32).astype(np.float32) * 0.3)
+    recurrent = tf.Variable(rng.randn(8, 32).astype(np.float32) * 0.3)
+    h = c = tf.zeros([4, 8])
+    hs = []
+    for t in range(6):
+        i, f, g, o = tf.split(x[:, t] @ kernel + h @ recurrent, 4, axis=1)
+        c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+        h = tf.sigmoid(o) * tf.tanh(c)
+        hs.append(h)
+    loss = tf.reduce_sum(h * h)
+    params, kept = [kernel, recurrent], [hs[1], hs[3]]
+    the_plan = msg.plan(loss, params, checkpoints=kept)
+    segments_of = {}
+    for step in the_plan.schedule.steps:
+        for op in step.segment.ops if step.handling == "recomputed" else ():
+            segments_of[op] = segments_of.get(op, 0) + 1
+    assert any(op.type == "Sigmoid" for op in segments_of), "nothing recomputed"
+    assert max(segments_of.values()) == 1, "an op is in two segments"
+    plain, _, _ = _executed(loss, params, None)
+    ran, values, expected = _executed(loss, params, kept)
+    for got, want in zip(values, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert ran["SigmoidGrad"] == plain["SigmoidGrad"] == 18, (ran, plain)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("budget_fraction", [0.45, 0.7])
 def test_transformer_budget_plan_runs_what_it_predicts(budget_fraction):
