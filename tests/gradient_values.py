@@ -34,3 +34,18 @@ def kind(gradient):
     if gradient is None:
         return None
     return "sparse" if isinstance(gradient, tf.IndexedSlices) else "dense"
+
+
+def unrolled_lstm_states(x, kernel, recurrent):
+    """The ``h`` of each step of a Python-unrolled LSTM over ``x`` ``[batch, steps,
+    features]`` (``kernel`` ``[features, 4 units]``, ``recurrent`` ``[units, 4 units]``):
+    every step reads the same weights, and ``c`` runs beside ``h``."""
+    units = int(recurrent.shape[0])
+    h = c = tf.zeros([int(x.shape[0]), units])
+    states = []
+    for t in range(int(x.shape[1])):
+        i, f, g, o = tf.split(x[:, t] @ kernel + h @ recurrent, 4, axis=1)
+        c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
+        h = tf.sigmoid(o) * tf.tanh(c)
+        states.append(h)
+    return states

@@ -20,7 +20,7 @@ import tensorflow as tf
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gradient_values import control_flow_v1
+from gradient_values import control_flow_v1, unrolled_lstm_states
 
 import memory_saving_gradients as msg
 import test_models
@@ -193,14 +193,8 @@ def test_gradients_taken_again_where_segments_share_ops_count_in_the_step_time()
         x = tf.random.normal([4, 6, 8], seed=1)
         kernel = tf.random.normal([8, 32], seed=2) * 0.3  # drawn once per run: both
         recurrent = tf.random.normal([8, 32], seed=3) * 0.3  # gradients see the same
-        h = c = tf.zeros([4, 8])
-        hs = []
-        for t in range(6):
-            i, f, g, o = tf.split(x[:, t] @ kernel + h @ recurrent, 4, axis=1)
-            c = tf.sigmoid(f) * c + tf.sigmoid(i) * tf.tanh(g)
-            h = tf.sigmoid(o) * tf.tanh(c)
-            hs.append(h)
-        loss = tf.reduce_sum(h * h)
+        hs = unrolled_lstm_states(x, kernel, recurrent)
+        loss = tf.reduce_sum(hs[-1] * hs[-1])
         # hs[1] is an x too: its own gradient is wanted, so hs[3]'s segment reads it as
         # an input, and the two segments cannot be merged
         weights = [kernel, recurrent, hs[1]]

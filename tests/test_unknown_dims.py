@@ -262,6 +262,21 @@ def test_run_time_reshape_targets_follow_the_batch():
     assert peaks[0] < peaks[1] < peaks[2] < 100 * peaks[0], peaks
 
 
+def _randomly_cropped_convolutions(batch):
+    """Six 3x3 conv-ReLU layers on ``[batch, 16, 16, 8]`` with a 12x12 crop at a random
+    offset (as Keras 3 ``RandomCrop`` slices) after the third: (output, weights, crop)."""
+    h = tf.compat.v1.placeholder(tf.float32, [batch, 16, 16, 8])
+    weights = [tf.Variable(tf.random.stateless_normal([3, 3, 8, 8], seed=[i, 3]))
+               for i in range(6)]
+    crop = None
+    for i, w in enumerate(weights):
+        h = tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME"))
+        if i == 2:
+            offset = tf.random.uniform([], 0, 4, dtype=tf.int32)
+            h = crop = h[:, offset:offset + 12, offset:offset + 12, :]
+    return h, weights, crop
+
+
 @pytest.mark.unit
 def test_a_slice_with_run_time_bounds_is_planned_at_its_input_s_size():
     """A random crop (Keras 3 ``RandomCrop`` slices at random offsets) has unknown
@@ -271,15 +286,7 @@ def test_a_slice_with_run_time_bounds_is_planned_at_its_input_s_size():
     from memory_saving_gradients import simulate
 
     with tf.Graph().as_default():
-        h = tf.compat.v1.placeholder(tf.float32, [None, 16, 16, 8])
-        weights = [tf.Variable(tf.random.stateless_normal([3, 3, 8, 8], seed=[i, 3]))
-                   for i in range(6)]
-        for i, w in enumerate(weights):
-            h = tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME"))
-            if i == 2:
-                offset = tf.random.uniform([], 0, 4, dtype=tf.int32)
-                h = h[:, offset:offset + 12, offset:offset + 12, :]
-                crop = h
+        h, weights, crop = _randomly_cropped_convolutions(None)
         assert crop.shape.as_list() == [None, None, None, 8]
         size = simulate.Sizer(32)
         assert size.shape(crop) == [32, 16, 16, 8]
@@ -296,14 +303,7 @@ def test_a_plan_whose_figures_do_not_depend_on_the_unknown_size_does_not_say_one
     so the INFO line and ``str(plan)`` do not give figures "at an unknown size counted
     as 32" by batch (all the same)."""
     with tf.Graph().as_default():
-        h = tf.compat.v1.placeholder(tf.float32, [8, 16, 16, 8])
-        weights = [tf.Variable(tf.random.stateless_normal([3, 3, 8, 8], seed=[i, 4]))
-                   for i in range(6)]
-        for i, w in enumerate(weights):
-            h = tf.nn.relu(tf.nn.conv2d(h, w, 1, "SAME"))
-            if i == 2:
-                offset = tf.random.uniform([], 0, 4, dtype=tf.int32)
-                h = h[:, offset:offset + 12, offset:offset + 12, :]
+        h, weights, _ = _randomly_cropped_convolutions(8)
         loss = tf.reduce_sum(h * h)
         the_plan = msg.plan(loss, weights, checkpoints="memory")
         assert the_plan.batch is not None and not the_plan.depends_on_batch, str(the_plan)
