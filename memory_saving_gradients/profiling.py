@@ -44,6 +44,11 @@ def peak_memory_during(run: Callable[[], object], device: str | None = None) -> 
     ``TF_ENABLE_ONEDNN_OPTS=0`` the CPU keeps no statistics and this raises
     a ``RuntimeError``.  Use :func:`peak_memory` on a traced ``Session.run``
     there.
+
+    The allocator counts whole chunks: a request placed in a free chunk less than
+    twice its size takes all of it, so this can exceed the bytes the step's tensors
+    asked for (and ``plan()``'s prediction, which counts those), by what the
+    allocator held before; :func:`peak_memory` sums the requests.
     """
     device = device or default_device()
     try:
