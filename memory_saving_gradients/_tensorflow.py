@@ -88,6 +88,7 @@ from tensorflow.python.autograph.operators import control_flow as _autograph_con
 from tensorflow.python.client import device_lib as _device_lib
 from tensorflow.python.eager import backprop as _backprop
 from tensorflow.python.eager import backprop_util as _backprop_util
+from tensorflow.python.eager import forwardprop as _forwardprop
 from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import op_def_registry as _op_def_registry
 from tensorflow.python.framework import ops as _framework_ops
@@ -173,6 +174,24 @@ _AUTOGRAPH_STAGING = ("_try_handling_undefineds", _autograph_control_flow.__name
 #: Where a ``tf.function`` traces its Python function into a graph of its own, named after
 #: the function (a user's function may be called ``tmp``).  (function name, module name)
 _FUNCTION_TRACE = ("func_graph_from_py_func", _func_graph.__name__)
+
+
+#: Where a ``tf.autodiff.ForwardAccumulator`` traces an op's Jacobian-vector product: a
+#: helper function, cached for the whole process, that differentiates the op twice with
+#: tapes linked by ``record_gradient`` rather than by ops.  (function name, module name)
+_JVP_HELPER = ("_jvp_helper", _forwardprop.__name__)
+
+
+def in_forwardprop_helper_trace() -> bool:
+    """Whether this code runs while a ``ForwardAccumulator`` traces one op's
+    Jacobian-vector product (:data:`_JVP_HELPER`): TensorFlow's own machinery, whose
+    tapes must stay TensorFlow's."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if (frame.f_code.co_name, frame.f_globals.get("__name__")) == _JVP_HELPER:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def in_autograph_staging_trace() -> bool:

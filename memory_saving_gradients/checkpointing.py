@@ -148,6 +148,8 @@ def _gradients(
         outer = _outer_differentiator(problem)
         if outer is not None:
             _say_outer_differentiator(problem, outer)
+            reporting.called_plain(f"{outer} differentiates it (plain tf.gradients)",
+                                   problem.graph)
             return tf_gradients(ys, xs, grad_ys, **options)
         with problem.graph.as_default(), _remembered_backward(problem):
             stops = problem.stops

@@ -83,8 +83,30 @@ _identity_transposes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def shares_input_buffer(op: tf.Operation) -> bool:
     """Whether ``op``'s output holds its first input's buffer, allocating nothing: the
     types of :data:`.ops.ALIASES` (identities, reshapes, variable reads, lists of
-    slices) and identity transposes (:func:`is_identity_transpose`)."""
-    return bool(op.inputs) and (op.type in op_types.ALIASES or is_identity_transpose(op))
+    slices) and identity transposes (:func:`is_identity_transpose`); not a variable
+    read that copies the variable (:func:`copies_on_read`)."""
+    return bool(op.inputs) and (
+        (op.type in op_types.ALIASES and not copies_on_read(op)) or is_identity_transpose(op))
+
+
+def copies_on_read(op: tf.Operation) -> bool:
+    """Whether a variable read (``ReadVariableOp``) copies the variable's buffer.
+
+    TensorFlow switches a resource variable to copy-on-read for good once an op touches
+    it sparsely (:data:`.ops.SPARSE_VARIABLE_ACCESS`, ``ResourceSparseApply*``).  Such an
+    op on the same handle may be in the graph already; or the read value is the params
+    of a row gather (an embedding lookup), whose gradient is an ``IndexedSlices`` that
+    optimizers (Keras, tf_keras, ``tf.compat.v1.train``) apply with a scatter, built
+    after the gradients: from the second step on, every read of it copies."""
+    if op.type not in op_types.VARIABLE_READS or not op.inputs:
+        return False
+    for consumer in op.inputs[0].consumers():
+        if (consumer.type in op_types.SPARSE_VARIABLE_ACCESS
+                or consumer.type.startswith("ResourceSparseApply")):
+            return True
+    value = op.outputs[0]
+    return any(c.type in op_types.GATHERS and c.inputs[0].ref() == value.ref()
+               and gathers_rows(c) for c in value.consumers())
 
 
 def gathers_rows(op: tf.Operation) -> bool:

@@ -48,6 +48,16 @@ SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims"})
 TRANSPOSES = frozenset({"Transpose"})
 #: Reads of a resource variable's value.
 VARIABLE_READS = frozenset({"ReadVariableOp"})
+#: Ops that touch a resource variable sparsely, which switches it to copy-on-read for
+#: good (TensorFlow's ``EnsureSparseVariableAccess``): gathers and scatters on the variable
+#: itself.  The sparse optimizer updates (``ResourceSparseApply*``) do too
+#: (:func:`.graph.copies_on_read`).
+SPARSE_VARIABLE_ACCESS = frozenset({
+    "ResourceGather", "ResourceGatherNd", "ResourceScatterAdd", "ResourceScatterSub",
+    "ResourceScatterMul", "ResourceScatterDiv", "ResourceScatterMin", "ResourceScatterMax",
+    "ResourceScatterUpdate", "ResourceScatterNdAdd", "ResourceScatterNdSub",
+    "ResourceScatterNdUpdate", "ResourceScatterNdMin", "ResourceScatterNdMax",
+})
 #: A TensorList made from a tensor: its elements are slices of that tensor's buffer,
 #: which the list holds as long as it lives (a recurrent layer's input sequence).
 LISTS_OF_SLICES = frozenset({"TensorListFromTensor"})

@@ -113,6 +113,15 @@ def called() -> None:
         record.calls += 1
 
 
+def called_plain(reason: str, graph: tf.Graph | None = None) -> None:
+    """The gradient computation just counted (:func:`called`) is TensorFlow's own, for
+    ``reason``: count it among :attr:`Record.plain`, so that a warning names why."""
+    record = current()
+    if record is not None and record.calls:
+        record.calls -= 1
+    left_plain(record, reason, graph)
+
+
 def ran_eagerly(record: Record | None) -> None:
     if record is not None:
         record.eager += 1
@@ -300,8 +309,9 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
     else:
         category = notices.NothingRewrittenWarning
         ran = (f": it ran {_named(record.ran_plain)}, whose gradients no patch planned "
-               "(traced before this patch, or under one with tape=False), and which "
-               "reuses that graph" if record.ran_plain else
+               "(traced before this patch or under one with tape=False, and reused; or "
+               "built only by functions the patch leaves to TensorFlow: tf.hessians, "
+               "a tape's jacobian)" if record.ran_plain else
                ". Most likely the step was traced before it: a tf.function called "
                "earlier, or a Keras model that already ran fit (or train_on_batch), "
                "reuses its graph")

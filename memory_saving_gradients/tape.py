@@ -117,8 +117,10 @@ def _recording(tape):
 
 
 def note_push(tape: tf.GradientTape) -> None:
-    """After ``_push_tape``: start a span of recorded ops (graph mode only)."""
-    if tf.executing_eagerly():
+    """After ``_push_tape``: start a span of recorded ops (graph mode only).  Not inside
+    ``jacobian``/``batch_jacobian``: they record for their own plain gradients, in a loop
+    body's graph without pfor, and the tape's recording goes on after them."""
+    if tf.executing_eagerly() or plain_gradients.active():
         return
     graph = tf.compat.v1.get_default_graph()
     recording = _recording(tape)
@@ -128,7 +130,9 @@ def note_push(tape: tf.GradientTape) -> None:
 
 
 def note_pop(tape: tf.GradientTape) -> None:
-    """After ``_pop_tape``: close the span."""
+    """After ``_pop_tape``: close the span (not inside ``jacobian``: see :func:`note_push`)."""
+    if plain_gradients.active():
+        return
     recording = _recording(tape)
     if recording is not None:
         recording.close()
@@ -153,9 +157,14 @@ def note_watch(tape: tf.GradientTape, tensor: Nested) -> None:
 
 
 _INSIDE_THE_LIBRARY = "inside the library"
+#: Why a gradient whose target no recorded op made is the tape's own.
+OFF_THE_RECORDING = ("a target that no op recorded by the tape made (computed after its "
+                     "with block, or linked by tape.record_operation as a "
+                     "ForwardAccumulator's helpers do)")
 _AUTOGRAPH_STAGING = "autograph's throwaway trace of a loop body"
+_FORWARDPROP_HELPER = "a ForwardAccumulator's per-op helper"
 #: Reasons for a plain gradient that are not the user's to know: nothing is reported.
-_SILENT_REASONS = (_INSIDE_THE_LIBRARY, _AUTOGRAPH_STAGING)
+_SILENT_REASONS = (_INSIDE_THE_LIBRARY, _AUTOGRAPH_STAGING, _FORWARDPROP_HELPER)
 
 
 def _plain_reason(tape) -> str | None:
@@ -164,6 +173,10 @@ def _plain_reason(tape) -> str | None:
         return "jacobian"
     if building_gradients():
         return _INSIDE_THE_LIBRARY
+    if _tf_internals.in_forwardprop_helper_trace():
+        # its tapes are linked by record_gradient, not by ops, and what it traces is
+        # cached for the whole process: it must be TensorFlow's own, patched or not
+        return _FORWARDPROP_HELPER
     if _tf_internals.in_autograph_staging_trace():
         # a loop variable first set in the body: the body is traced once to learn its
         # type, in a graph that never runs, then again for real (planned there)
@@ -216,6 +229,15 @@ def checkpointed_gradient(
     if graph is not recording.graph:
         logger.debug("target not in the tape's graph; plain gradient")
         return plain()
+    if not all(is_variable(value) or _on_tape(y, recording)
+               for value, y in zip(flat_targets, ys)):
+        # The tape links such a target to its sources only where something recorded it
+        # without an op of the recording (tape.record_operation: a ForwardAccumulator's
+        # helpers do); TensorFlow's own gradient follows that record, or gives None
+        # (a loss computed after the with block), as the tape's rules say.
+        logger.debug("a target no recorded op made: the tape's own gradient")
+        reporting.left_plain(config.record, OFF_THE_RECORDING, graph)
+        return plain()
     watched = _end_recording(tape, recording)
     grad_ys = None
     if output_gradients is not None:
@@ -223,17 +245,6 @@ def checkpointed_gradient(
             None if g is None else tf.convert_to_tensor(g)
             for g in tf.nest.flatten(output_gradients)
         ]
-    on_tape = [i for i, (value, y) in enumerate(zip(flat_targets, ys))
-               if is_variable(value) or _on_tape(y, recording)]
-    if len(on_tape) < len(ys):
-        logger.debug("%d target(s) made outside the tape give "
-                     "no gradient, as the tape's own", len(ys) - len(on_tape))
-        ys = [ys[i] for i in on_tape]
-        grad_ys = None if grad_ys is None else [grad_ys[i] for i in on_tape]
-        if not ys:
-            reporting.left_plain(config.record, "every target was made outside the tape "
-                                 "(computed after its with block?), so no gradient, as "
-                                 "tf.GradientTape gives none", graph)
     results = _source_gradients(config, ys, grad_ys, flat_sources, recording, watched,
                                 unconnected_gradients)
     return tf.nest.pack_sequence_as(sources, results)

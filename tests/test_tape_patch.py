@@ -582,3 +582,50 @@ def test_tape_step_in_tf_function_lowers_the_measured_peak(graph, measure_peak):
     ours, _ = measure_peak(ours_loss, feed)
     print(f"patched tape step peak: plain {plain / 2**20:.1f} MiB, ours {ours / 2**20:.1f} MiB")
     assert ours < 0.6 * plain, (ours, plain)
+
+
+def test_a_target_no_recorded_op_made_gets_the_tapes_own_gradient(weights, x):
+    """A target made after the tape's with block gives what tf.GradientTape gives (None for
+    the variables, the watched tensor's own gradient where the target is watched), and the
+    patch names why it left that gradient to TensorFlow."""
+
+    def body(x):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            loss = _forward(weights, x)
+        late = loss * 2.0  # made after the with block: no recorded op made it
+        return tape.gradient([loss, late], weights + [x])
+
+    import warnings
+
+    plain = tf.function(body)(x)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with msg.patched("memory") as handle:
+            got = tf.function(body)(x)
+    _close(got, plain)
+    assert not handle.plans
+    said = [str(w.message) for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)]
+    assert said and "no op recorded by the tape made" in said[0], said
+
+
+@pytest.mark.parametrize("use_pfor", [True, False])
+def test_a_persistent_tapes_gradient_after_its_jacobian_is_rewritten(weights, x, use_pfor):
+    """``jacobian`` stays TensorFlow's; without pfor it records in a loop body's graph of
+    its own. The same persistent tape's next gradient() is still the library's, on what
+    the tape recorded in the step's graph, with the tape's values."""
+
+    def body(x):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            h = x
+            for w in weights:
+                h = tf.tanh(tf.matmul(h, w))
+            loss = tf.reduce_sum(h * h)
+            small = tf.reduce_sum(h[:2, :3], axis=0)
+        jacobian = tape.jacobian(small, weights[-1], experimental_use_pfor=use_pfor)
+        return [jacobian] + tape.gradient(loss, weights)
+
+    want, got, graph = _both(body, x)
+    _close(got, want)
+    assert _recomputes(graph) > 0
