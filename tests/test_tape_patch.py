@@ -629,3 +629,26 @@ def test_a_persistent_tapes_gradient_after_its_jacobian_is_rewritten(weights, x,
     want, got, graph = _both(body, x)
     _close(got, want)
     assert _recomputes(graph) > 0
+
+
+def test_a_gradient_to_sources_the_tape_never_saw_says_so(weights, x):
+    """Sources the tape neither watched nor recorded (here tensors read from the weights
+    before the tape began) get None, as from the tape; the warning says that is why
+    nothing was rewritten, not that the step was traced before the patch."""
+    import warnings
+
+    values = [tf.convert_to_tensor(w) for w in weights]
+
+    def body(x):
+        with tf.GradientTape(watch_accessed_variables=False) as tape:
+            loss = _forward(values, x)
+        return tape.gradient(loss, values)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with msg.patched("memory") as handle:
+            got = tf.function(body)(x)
+    assert all(g is None for g in got)
+    assert not handle.plans
+    said = [str(w.message) for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)]
+    assert said and "no source the tape watched or recorded" in said[0], said
