@@ -94,19 +94,45 @@ def copies_on_read(op: tf.Operation) -> bool:
 
     TensorFlow switches a resource variable to copy-on-read for good once an op touches
     it sparsely (:data:`.ops.SPARSE_VARIABLE_ACCESS`, ``ResourceSparseApply*``).  Such an
-    op on the same handle may be in the graph already; or the read value is the params
-    of a row gather (an embedding lookup), whose gradient is an ``IndexedSlices`` that
-    optimizers (Keras, tf_keras, ``tf.compat.v1.train``) apply with a scatter, built
-    after the gradients: from the second step on, every read of it copies."""
+    op on the same handle may be in the graph already; or every read of the variable
+    is the params of row gathers only (an embedding lookup): its gradient is then an
+    ``IndexedSlices``, which optimizers (Keras, tf_keras, ``tf.compat.v1.train``) apply
+    with a scatter, built after the gradients, so from the second step on every read
+    copies.  A table also read densely (an output projection tied to it) gets a dense
+    gradient and a dense update: its reads share its buffer."""
     if op.type not in op_types.VARIABLE_READS or not op.inputs:
         return False
+    reads = []
     for consumer in op.inputs[0].consumers():
         if (consumer.type in op_types.SPARSE_VARIABLE_ACCESS
                 or consumer.type.startswith("ResourceSparseApply")):
             return True
-    value = op.outputs[0]
-    return any(c.type in op_types.GATHERS and c.inputs[0].ref() == value.ref()
-               and gathers_rows(c) for c in value.consumers())
+        if consumer.type in op_types.VARIABLE_READS:
+            reads.append(consumer.outputs[0])
+    return all(_read_only_by_row_gathers(value) for value in reads)
+
+
+def _read_only_by_row_gathers(value: tf.Tensor) -> bool:
+    """Whether every op that reads ``value`` (through identities, which the rewrite's
+    proxies are) is a row gather taking it as params, or reads only its shape; and one
+    gather at least."""
+    gathers, pending, seen = 0, [value], set()
+    while pending:
+        tensor = pending.pop()
+        if tensor.ref() in seen:
+            continue
+        seen.add(tensor.ref())
+        for consumer in tensor.consumers():
+            if consumer.type in op_types.VALUE_FORWARDING:
+                pending.extend(consumer.outputs[:1])
+            elif consumer.type in op_types.SHAPE_ONLY_READERS:
+                continue
+            elif (consumer.type in op_types.GATHERS and gathers_rows(consumer)
+                  and consumer.inputs[0].ref() == tensor.ref()):
+                gathers += 1
+            else:
+                return False
+    return gathers > 0
 
 
 def gathers_rows(op: tf.Operation) -> bool:

@@ -22,8 +22,6 @@ import memory_saving_gradients as msg
 from memory_saving_gradients import graph as graph_lib
 from memory_saving_gradients import simulate, workspace
 
-pytestmark = [pytest.mark.memory]
-
 MB = 2**20
 VOCAB, WIDTH, STEPS, BATCH = 50000, 64, 64, 64
 
@@ -67,6 +65,28 @@ def ids():
     return tf.constant(np.random.RandomState(1).randint(0, VOCAB, (BATCH, STEPS)), tf.int32)
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_table_read_only_by_lookups_is_read_as_a_copy(tied):
+    """A table whose every read feeds row gathers gets an IndexedSlices gradient, a
+    scatter update, and copy-on-read; one also read densely (an output projection tied
+    to it) gets a dense gradient and update, and its reads share its buffer."""
+    table = tf.Variable(tf.zeros([1000, 16]))
+
+    @tf.function
+    def lookup(ids):
+        h = tf.gather(tf.identity(tf.convert_to_tensor(table)), ids)
+        if tied:
+            h = tf.matmul(h, tf.convert_to_tensor(table), transpose_b=True)
+        return tf.reduce_sum(h)
+
+    graph = lookup.get_concrete_function(tf.TensorSpec([4, 3], tf.int32)).graph
+    reads = [op for op in graph.get_operations() if op.type == "ReadVariableOp"]
+    assert reads and all(graph_lib.copies_on_read(op) is not tied for op in reads)
+    assert all(graph_lib.shares_input_buffer(op) is tied for op in reads)
+
+
+@pytest.mark.memory
 def test_a_sparsely_updated_tables_read_and_a_broadcast_products_gradient_are_counted(ids):
     step = _step(_variables(0))
     with msg.patched("memory") as handle:
