@@ -275,8 +275,9 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
                     what, by_nested)
         return
     if record.ran and not (record.ran_plain or record.eager or record.calls or record.plain):
-        logger.info("%s built no gradient itself: the step(s) it ran (%s) were traced "
-                    "under an earlier patch, which planned their gradients then (its "
+        logger.info("%s built no gradient itself: the step(s) it ran (%s) were planned "
+                    "by another entry point, whose settings hold for them: an earlier "
+                    "patch they were traced under, or keras.enable on their model (its "
                     "plans and messages say what it rewrote).", what, _named(record.ran))
         return
     if record.eager:
