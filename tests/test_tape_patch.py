@@ -49,10 +49,15 @@ def x():
     return tf.random.stateless_normal([512, 32], seed=[5, 6])
 
 
-def _forward(weights, x):
+def _chain(weights, x):
     h = x
     for w in weights:
         h = tf.tanh(tf.matmul(h, w))
+    return h
+
+
+def _forward(weights, x):
+    h = _chain(weights, x)
     return tf.reduce_sum(h * h)
 
 
@@ -197,9 +202,7 @@ def test_persistent_tape_two_gradients_and_output_gradients(weights, x):
     def body(x):
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(x)
-            h = x
-            for w in weights:
-                h = tf.tanh(tf.matmul(h, w))
+            h = _chain(weights, x)
             loss = tf.reduce_sum(h * h)
         first = tape.gradient(loss, weights[:4])
         second = tape.gradient(h, [x, weights[-1]], output_gradients=tf.ones_like(h) * 0.5)
@@ -618,9 +621,7 @@ def test_a_persistent_tapes_gradient_after_its_jacobian_is_rewritten(weights, x,
     def body(x):
         with tf.GradientTape(persistent=True) as tape:
             tape.watch(x)
-            h = x
-            for w in weights:
-                h = tf.tanh(tf.matmul(h, w))
+            h = _chain(weights, x)
             loss = tf.reduce_sum(h * h)
             small = tf.reduce_sum(h[:2, :3], axis=0)
         jacobian = tape.jacobian(small, weights[-1], experimental_use_pfor=use_pfor)
