@@ -21,7 +21,7 @@ from . import cuts as cuts_lib
 from . import graph as graph_lib
 from . import ops as op_types
 from ._tensorflow import tf
-from ._units import MIB, describe_bytes
+from ._units import describe_bytes
 from .graph import ForwardRegion
 
 Strategy = Callable[..., list]
@@ -407,7 +407,7 @@ def _budgeted_choice(proposals: _Proposals, memory_budget) -> list:
     least = min((p.peak for p in above), default=float("nan"))
     raise ValueError(
         f"memory_budget={describe_bytes(memory_budget)} cannot be met: the smallest peak "
-        f"the memory model finds for this graph is {least / MIB:.1f} MB "
+        f"the memory model finds for this graph is {describe_bytes(least)} "
         f"({least} bytes). Raise the budget, or reduce the batch size."
     )
 

@@ -209,3 +209,19 @@ def test_graph_usable_after_errors(graph, model, run_both, assert_grads_match):
     ours = msg.gradients(model.loss, model.inputs, checkpoints=[model.units[1], model.units[3]])
     theirs = tf.compat.v1.gradients(model.loss, model.inputs)
     assert_grads_match(ours, theirs, *run_both(ours, theirs, model.feed_dict))
+
+
+@pytest.mark.unit
+def test_an_unmet_budget_on_a_small_graph_gives_the_least_peak_in_bytes():
+    """The least peak of a graph whose tensors weigh kilobytes is said in bytes, not as
+    "0.0 MB"."""
+    with tf.Graph().as_default():
+        h = tf.compat.v1.placeholder(tf.float32, [4, 16])
+        weights = [tf.Variable(tf.ones([16, 16]) * 0.1) for _ in range(6)]
+        for w in weights:
+            h = tf.tanh(tf.matmul(h, w))
+        loss = tf.reduce_sum(h)
+        with pytest.raises(ValueError, match="cannot be met") as raised:
+            msg.gradients(loss, weights, checkpoints="memory", memory_budget=10)
+    said = str(raised.value)
+    assert "0.0 MB" not in said and re.search(r"finds for this graph is \d+ bytes", said), said
