@@ -312,7 +312,7 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
         ran = (f": it ran {_named(record.ran_plain)}, whose gradients no patch planned "
                "(traced before this patch or under one with tape=False, and reused; or "
                "built only by functions the patch leaves to TensorFlow: tf.hessians, "
-               "a tape's jacobian)" if record.ran_plain else
+               "a tape's jacobian, a ForwardAccumulator)" if record.ran_plain else
                ". Most likely the step was traced before it: a tf.function called "
                "earlier, or a Keras model that already ran fit (or train_on_batch), "
                "reuses its graph")
