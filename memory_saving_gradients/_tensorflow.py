@@ -465,6 +465,16 @@ def is_resource_variable(value) -> bool:
     return _resource_variable_ops.is_resource_variable(value)
 
 
+def reference_variable_tensor(value):
+    """The ref-typed tensor of a v1 reference variable (``use_resource=False``, TF1's
+    default ``get_variable``): what ``tf.gradients`` differentiates with respect to for
+    it (``as_ref``); None for anything else."""
+    if isinstance(value, tf.Variable) and not is_resource_variable(value) and hasattr(
+            value, "_ref"):
+        return value._ref()
+    return None
+
+
 # -- GradientTape internals ---------------------------------------------------------------
 
 #: The class every ``tf.GradientTape`` name and subclass shares.

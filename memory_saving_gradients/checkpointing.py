@@ -1218,7 +1218,7 @@ def _tensor_list(value, what: str) -> list:
         raise ValueError(f"{what} is empty: pass at least one tensor.")
     tensors = []
     for item in items:
-        if _is_resource_variable(item):
+        if _is_resource_variable(item) or _tf_internals.reference_variable_tensor(item) is not None:
             item = tf.convert_to_tensor(item)
         if not isinstance(item, tf.Tensor):
             raise TypeError(
@@ -1241,6 +1241,8 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
                 x = tf.convert_to_tensor(x)  # captures an eager handle in a tf.function
                 if getattr(x, "graph", graph) is not graph and hasattr(graph, "capture"):
                     x = graph.capture(x)  # a v1 graph's variable used in a tf.function
+        elif _tf_internals.reference_variable_tensor(x) is not None:
+            x = _tf_internals.reference_variable_tensor(x)  # as tf.gradients: its ref
         elif isinstance(x, tf.Tensor) and getattr(x, "graph", None) is None:
             x = tf.convert_to_tensor(x)  # an eager tensor: captured, as tf.gradients does
         if not isinstance(x, tf.Tensor):

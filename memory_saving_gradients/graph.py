@@ -388,12 +388,12 @@ def loop_accumulators(op: tf.Operation) -> LoopAccumulators | None:
                     and not shares_input_buffer(t.op)):
                 read.setdefault(t.ref(), t)
     # buffers the next iteration's gradient reads again, as a loop variable
-    carried_read = {_buffer_root(carried).ref()
+    carried_read = {buffer_root(carried).ref()
                     for value, carried in zip(body.inputs, body.outputs) if value.ref() in read}
     for value, carried in zip(body.inputs, body.outputs):
         # a loop variable holds the buffer the iteration before made: a list of both
         # holds each buffer once
-        if value.ref() in read and _buffer_root(carried).ref() in read:
+        if value.ref() in read and buffer_root(carried).ref() in read:
             del read[value.ref()]
     item = op_types.GRADIENT_ZEROS_LIKE_INPUT["TensorListSetItem"]
     # zeros_like of a popped item whose buffer nothing else holds writes into that
@@ -402,12 +402,12 @@ def loop_accumulators(op: tf.Operation) -> LoopAccumulators | None:
     zeros = tuple(body_op.inputs[item] for body_op in body.get_operations()
                   if body_op.type == "TensorListSetItem" and len(body_op.inputs) > item
                   and not body_op.inputs[item].shape.is_fully_defined()
-                  and _buffer_root(body_op.inputs[item]).ref() in carried_read)
+                  and buffer_root(body_op.inputs[item]).ref() in carried_read)
     return LoopAccumulators(tuple(sorted(read.values(), key=lambda t: t.name)),
                             _trip_count(op), zeros)
 
 
-def _buffer_root(tensor: tf.Tensor) -> tf.Tensor:
+def buffer_root(tensor: tf.Tensor) -> tf.Tensor:
     """The tensor whose buffer ``tensor`` shares, through ops that forward their input's."""
     while shares_input_buffer(tensor.op):
         tensor = tensor.op.inputs[0]

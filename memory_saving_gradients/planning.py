@@ -86,10 +86,14 @@ class Plan:
     @property
     def checkpoint_bytes(self) -> int:
         """The checkpoints' bytes together, as the memory model sizes them (at
-        :attr:`batch` where the graph has unknown sizes): per-channel statistics and
-        other small tensors count in :attr:`checkpoints` but weigh little here."""
+        :attr:`batch` where the graph has unknown sizes), each buffer once (a kept
+        tensor and a reshape of it share one): per-channel statistics and other small
+        tensors count in :attr:`checkpoints` but weigh little here."""
         size = simulate.Sizer(self.batch or 1)
-        return sum(size(t) for t in self.checkpoints)
+        # a reshape of a kept tensor (a tensordot's result and its matmul) is one buffer
+        buffers = {graph_lib.buffer_root(t).ref(): graph_lib.buffer_root(t)
+                   for t in self.checkpoints}
+        return sum(size(t) for t in buffers.values())
 
     @property
     def batch_known(self) -> bool:

@@ -266,3 +266,15 @@ def test_recomputation_around_a_loop_saves_memory(v1):
     # checkpoints, the loop's values and a few recomputed activations.
     assert peaks["plain"] >= 2 * CHAIN * activation, peaks
     assert peaks["ours"] <= 0.7 * peaks["plain"], peaks
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("v1", [False, True], ids=["while_v2", "while_v1"])
+def test_a_plan_says_what_it_does_not_count_of_a_v1_loop(v1):
+    """A v1 loop keeps its steps' tensors in stacks the memory model does not count: the
+    plan says so; a v2 loop's are counted, and no such note is given."""
+    with (control_flow_v1() if v1 else contextlib.nullcontext()), tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [SIZE])
+        loss, checkpoints = _loop_chain(x)
+        notes = " ".join(msg.plan(loss, x, checkpoints=checkpoints).assumptions)
+    assert ("v1 control-flow while loop" in notes) == v1, notes

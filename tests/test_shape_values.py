@@ -91,3 +91,16 @@ def test_a_plan_lists_its_checkpoints_at_the_memory_models_sizes(graph):
     assert lines[hidden.name].endswith(f"{32 * 64 * 256 * 4 / 2**20:9.2f} MB"), str(plan)
     assert plan.checkpoint_bytes == 32 * 64 * (32 + 256) * 4, str(plan)
     assert f"2 checkpoints ({plan.checkpoint_bytes / 2**20:.2f} MB)" in str(plan), str(plan)
+
+
+def test_a_kept_tensor_and_its_reshape_count_once_in_the_checkpoint_bytes(graph):
+    """A tensordot keeps its matmul's result and the reshape of it: one buffer."""
+    import memory_saving_gradients as msg
+
+    x = tf.compat.v1.placeholder(tf.float32, [16, 64, 32])
+    w = tf.Variable(tf.ones([32, 256]))
+    product = tf.matmul(tf.reshape(tf.tanh(x), [16 * 64, 32]), w)
+    shaped = tf.reshape(product, [16, 64, 256])
+    loss = tf.reduce_sum(tf.tanh(tf.tanh(shaped)))
+    plan = msg.plan(loss, [x, w], checkpoints=[product, shaped])
+    assert plan.checkpoint_bytes == 16 * 64 * 256 * 4, str(plan)

@@ -17,6 +17,7 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 import memory_saving_gradients as msg
 
@@ -159,6 +160,43 @@ def test_resource_variable_handles_and_tensors():
     want, got = run()
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("partitioned", [False, True])
+def test_v1_reference_variables(partitioned):
+    """TF1's default variables (``use_resource=False``; a partitioned one is a list of
+    them): gradients() and the classic ``tf.gradients`` replacement differentiate them
+    as tf.compat.v1.gradients does (its ref), and an optimizer applies the results."""
+    with tf.Graph().as_default():
+        x = tf.constant(np.random.RandomState(0).randn(BATCH, WIDTH).astype(np.float32))
+        if partitioned:
+            weights = list(tf.compat.v1.get_variable(
+                "w", [WIDTH * DEPTH, WIDTH], use_resource=False,
+                initializer=tf.compat.v1.random_normal_initializer(stddev=0.3, seed=1),
+                partitioner=tf.compat.v1.fixed_size_partitioner(2)))
+            stacked = tf.concat(weights, 0)
+            layers = [stacked[i * WIDTH:(i + 1) * WIDTH] for i in range(DEPTH)]
+        else:
+            weights = [tf.compat.v1.Variable(
+                tf.random.stateless_normal([WIDTH, WIDTH], seed=[i, 5]) * 0.3,
+                use_resource=False) for i in range(DEPTH)]
+            layers = weights
+        assert not any(resource_variable_ops.is_resource_variable(w) for w in weights)
+        loss = _tanh_stack(layers, x)
+        want = tf.compat.v1.gradients(loss, weights)
+        got = msg.gradients(loss, weights, checkpoints="speed")
+        the_plan = msg.plan(loss, weights, checkpoints="speed")
+        classic = msg.gradients_memory(loss, weights)
+        step = tf.compat.v1.train.GradientDescentOptimizer(0.1).apply_gradients(
+            zip(got, weights))
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            want, got, classic = session.run([want, got, classic])
+            session.run(step)
+    assert the_plan.recomputed_ops
+    for a, b, c in zip(got, want, classic):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(c, b, rtol=1e-4, atol=1e-5)
 
 
 def test_something_else_is_a_clear_type_error():
