@@ -599,7 +599,13 @@ def choose_checkpoints(
             return usable
 
         key = _memo_key(checkpoints, memory_budget, options["unknown_dim"], region, ys, xs)
-        usable = choose() if key is None else memo.remembered(key, region, choose)
+        planned = []
+        usable = choose() if key is None else memo.remembered(
+            key, region, lambda: planned.append(True) or choose())
+        if not usable and key is not None and not planned:
+            # the NothingKeptWarning came when this structure was first planned
+            logger.info("checkpoints=%r keeps nothing on this graph, as planned before for "
+                        "the same structure: plain tf.gradients.", checkpoints)
         return usable or None
     given = _checkpoint_list(checkpoints)
     nested = [t for t in given if graph_lib.in_function_body_of(t, graph)]

@@ -610,3 +610,26 @@ def test_categories_are_exported_and_share_one_base():
                      msg.EagerExecutionWarning):
         assert issubclass(category, msg.MemorySavingGradientsWarning)
     assert issubclass(msg.MemorySavingGradientsWarning, UserWarning)
+
+
+def test_a_structure_that_keeps_nothing_says_so_each_time(caplog):
+    """The NothingKeptWarning comes once per graph structure; a later graph of the same
+    structure, planned from memory, still says at INFO that it used plain gradients."""
+    caplog.set_level(logging.INFO, logger="memory_saving_gradients")
+    said = []
+    for _ in range(2):
+        with tf.Graph().as_default():
+            x = tf.compat.v1.placeholder(tf.float32, [7, 13])  # a structure no other
+            w = tf.Variable(tf.ones([13, 11]))                 # test plans
+            loss = tf.reduce_sum(tf.tanh(tf.matmul(x, w)))
+            caplog.clear()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                msg.gradients(loss, [w], checkpoints="memory")
+            said.append(([str(c.message) for c in caught
+                          if issubclass(c.category, msg.NothingKeptWarning)],
+                         [r.getMessage() for r in caplog.records if "keeps nothing" in
+                          r.getMessage()]))
+    (first_warnings, _), (second_warnings, second_lines) = said
+    assert first_warnings and not second_warnings, said
+    assert second_lines and "planned before" in second_lines[0], said
