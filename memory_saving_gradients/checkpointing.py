@@ -325,8 +325,9 @@ def _what_is_unknown(region) -> tuple:
                    f"{fed.shape}: a sequence length, or a batch that is not first)")
     else:
         made = graph_lib.first_unknown(region)
-        subject = (f"what is fed is fully known, but sizes made in the graph are not (e.g. "
-                   f"{made.name} {made.shape}: a loop's length)")
+        subject = (f"no tensor fed to the differentiated ops has an unknown size, but sizes "
+                   f"made in the graph are unknown (e.g. {made.name} {made.shape}: a loop's "
+                   "length, or a batch fed to ops before them)")
     return (f"{subject}; every unknown dimension is counted as one size, which batch_size= "
             "sets"), "size"
 

@@ -350,10 +350,11 @@ def test_an_unknown_sequence_length_is_not_called_the_batch():
         for v in [tf.Variable(tf.random.stateless_normal([16, 16], seed=[i, 2])) for i in range(4)]:
             h = tf.tanh(tf.einsum("tbd,de->tbe", h, v))
         said = " ".join(msg.plan(tf.reduce_sum(h), [w], checkpoints="memory").assumptions)
-        assert "what is fed is fully known, but sizes made in the graph are not" in said, said
+        assert ("no tensor fed to the differentiated ops has an unknown size, but sizes "
+                "made in the graph are unknown") in said, said
         assert "the batch is unknown" not in said, said
-        with pytest.raises(ValueError, match="cannot be met at any batch size: what is fed is "
-                           "fully known, but sizes made in the graph are not"):
+        with pytest.raises(ValueError, match="cannot be met at any batch size: no tensor fed "
+                           "to the differentiated ops has an unknown size"):
             msg.plan(tf.reduce_sum(h), [w], checkpoints="memory", memory_budget=2**10)
         with pytest.warns(msg.NothingKeptWarning) as caught:  # the loop alone: kept whole
             msg.gradients(tf.reduce_sum(array.stack()), [w], checkpoints="memory")
