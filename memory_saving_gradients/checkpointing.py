@@ -583,7 +583,11 @@ def choose_checkpoints(
         if memory_budget is not None:
             options["memory_budget"] = memory_budget
 
+        planned_now = False  # else remembered: its NothingKeptWarning came the first time
+
         def choose():
+            nonlocal planned_now
+            planned_now = True
             try:
                 found = strategy(ys, xs, region, **options)
             except ValueError:
@@ -600,11 +604,8 @@ def choose_checkpoints(
             return usable
 
         key = _memo_key(checkpoints, memory_budget, options["unknown_dim"], region, ys, xs)
-        planned = []
-        usable = choose() if key is None else memo.remembered(
-            key, region, lambda: planned.append(True) or choose())
-        if not usable and key is not None and not planned:
-            # the NothingKeptWarning came when this structure was first planned
+        usable = choose() if key is None else memo.remembered(key, region, choose)
+        if not usable and not planned_now:
             logger.info("checkpoints=%r keeps nothing on this graph, as planned before for "
                         "the same structure: plain tf.gradients.", checkpoints)
         return usable or None
@@ -1248,8 +1249,8 @@ def _x_tensors(xs: list, graph: tf.Graph) -> list:
                 x = tf.convert_to_tensor(x)  # captures an eager handle in a tf.function
                 if getattr(x, "graph", graph) is not graph and hasattr(graph, "capture"):
                     x = graph.capture(x)  # a v1 graph's variable used in a tf.function
-        elif _tf_internals.reference_variable_tensor(x) is not None:
-            x = _tf_internals.reference_variable_tensor(x)  # as tf.gradients: its ref
+        elif (ref := _tf_internals.reference_variable_tensor(x)) is not None:
+            x = ref  # a v1 reference variable, as tf.gradients: its ref tensor
         elif isinstance(x, tf.Tensor) and getattr(x, "graph", None) is None:
             x = tf.convert_to_tensor(x)  # an eager tensor: captured, as tf.gradients does
         if not isinstance(x, tf.Tensor):

@@ -20,6 +20,8 @@ V1_CONTROL_FLOW = frozenset({
 })
 #: v1 ``Merge`` s: the op that joins a ``tf.cond``'s branches.
 V1_MERGES = frozenset({"Merge", "RefMerge"})
+#: v1 ``Enter`` s: the ops through which a ``tf.while_loop``'s frame is entered.
+V1_ENTERS = frozenset({"Enter", "RefEnter"})
 #: v1 ``Switch`` es: the op that feeds a ``tf.cond``'s branches.
 V1_SWITCHES = frozenset({"Switch", "RefSwitch"})
 

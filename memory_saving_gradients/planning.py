@@ -91,8 +91,7 @@ class Plan:
         tensors count in :attr:`checkpoints` but weigh little here."""
         size = simulate.Sizer(self.batch or 1)
         # a reshape of a kept tensor (a tensordot's result and its matmul) is one buffer
-        buffers = {graph_lib.buffer_root(t).ref(): graph_lib.buffer_root(t)
-                   for t in self.checkpoints}
+        buffers = {root.ref(): root for root in map(graph_lib.buffer_root, self.checkpoints)}
         return sum(size(t) for t in buffers.values())
 
     @property

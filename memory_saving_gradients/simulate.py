@@ -379,7 +379,7 @@ def loop_note(region: graph_lib.ForwardRegion) -> tuple:
                   "peaks count them from each loop's body (the tensors its gradient reads, "
                   "times its trip count), they are kept whatever the plan, and only what "
                   "lies outside the loops is planned",)
-    frames = {op.get_attr("frame_name") for op in region.order if op.type in _V1_LOOP_ENTRIES}
+    frames = {op.get_attr("frame_name") for op in region.order if op.type in op_types.V1_ENTERS}
     if frames:
         notes += (f"{len(frames)} v1 control-flow while loop(s) (tf.compat.v1.while_loop "
                   "with control flow v2 off, e.g. dynamic_rnn) keep their steps' tensors "
@@ -387,10 +387,6 @@ def loop_note(region: graph_lib.ForwardRegion) -> tuple:
                   "by those stacks (about 3x on a two-layer dynamic_rnn), the saving "
                   "outside the loops holds",)
     return notes
-
-
-#: The op types through which a v1 control-flow loop's frame is entered.
-_V1_LOOP_ENTRIES = frozenset({"Enter", "RefEnter"})
 
 
 #: Name scopes TensorFlow builds gradients in: ``tf.gradients`` (and this library's
