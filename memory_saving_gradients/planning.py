@@ -208,6 +208,14 @@ class Plan:
         return "\n".join(lines)
 
 
+def _step_ratio(predicted: simulate.Prediction, baseline: simulate.Prediction) -> float:
+    """The predicted step time over plain ``tf.gradients``': every kernel each replay
+    ran, with the cache term (:func:`simulate.timed_seconds`)."""
+    if predicted is baseline or not baseline.timed_seconds:
+        return 1.0 if predicted is baseline else predicted.step_time_ratio
+    return predicted.timed_seconds / baseline.timed_seconds
+
+
 @_gc.without_cyclic_gc
 def make_plan(
     ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: graph_lib.ForwardRegion,
@@ -225,14 +233,14 @@ def make_plan(
     ``unknown_dim`` is the ``batch_size=`` the caller passed."""
     sizer = simulate.Sizer(unknown_dim, stated=batch_stated)
     baseline, in_step_baseline = (
-        simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, sizer)
+        simulate.predict_baseline(region, ys, xs, unknown_dim, fetched, sizer, timed=fetched)
         for fetched in (True, False))
     if checkpoints:
         if schedule is None:
             schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops)
         predicted, in_step = (
             simulate.predict_checkpointed(region, ys, xs, checkpoints, unknown_dim, fetched,
-                                          sizer, stops, schedule)
+                                          sizer, stops, schedule, timed=fetched)
             for fetched in (True, False))
     else:  # nothing kept: gradients() calls plain tf.gradients, and so does this plan
         schedule, predicted, in_step = None, baseline, in_step_baseline
@@ -242,7 +250,7 @@ def make_plan(
         predicted_peak_bytes=predicted.peak_bytes,
         baseline_peak_bytes=baseline.peak_bytes,
         recompute_cost=predicted.recompute_cost,
-        predicted_step_ratio=predicted.step_time_ratio,
+        predicted_step_ratio=_step_ratio(predicted, baseline),
         strategy=strategy,
         assumptions=tuple(sorted(set(predicted.assumptions + baseline.assumptions)))
         + tuple(batch_note) + simulate.workspace_note(region, onednn, gpu)

@@ -39,7 +39,7 @@ import numpy as np
 from . import graph as graph_lib
 from . import ops as op_types
 from . import schedule as schedule_lib
-from . import shape_values, timing, workspace
+from . import shape_values, step_time, timing, workspace
 from ._tensorflow import tf
 
 _T = TypeVar("_T")
@@ -67,6 +67,8 @@ class Prediction:
     recompute_seconds: float = 0.0
     # the gradients of ops that more than one step differentiates, beyond the first time
     repeated_backward_seconds: float = 0.0
+    # every kernel's seconds with the cache term (:func:`timed_seconds`; 0: not asked for)
+    timed_seconds: float = 0.0
 
     @property
     def recompute_work(self) -> float:
@@ -533,13 +535,16 @@ def op_flops(op: tf.Operation, shape: Callable[[tf.Tensor], list | None] = _stat
     return float(out)
 
 
-def op_seconds(op: tf.Operation, size: Callable[[tf.Tensor], int] = graph_lib.tensor_bytes) -> float:
+def op_seconds(op: tf.Operation, size: Callable[[tf.Tensor], int] = graph_lib.tensor_bytes,
+               traffic_share: float = 1.0) -> float:
     """The time model's seconds for one op (:func:`.timing.op_seconds`, this machine's
     calibration or the default): its FLOPs at its kind's rate, or its bytes at the
-    memory bandwidth, whichever is slower, plus the fixed cost of a kernel."""
+    memory bandwidth (times ``traffic_share``: less where the cache holds some),
+    whichever is slower, plus the fixed cost of a kernel."""
     traffic = sum(size(t) for t in list(op.inputs) + list(op.outputs))
     shape = getattr(size, "shape", _static_shape)
-    return timing.op_seconds(op_flops(op, shape), traffic, timing.kind_of(op.type), timing.current())
+    return timing.op_seconds(op_flops(op, shape), traffic, timing.kind_of(op.type),
+                             timing.current(), traffic_share)
 
 
 def step_seconds(region: graph_lib.ForwardRegion, size: Sizer) -> tuple[float, float]:
@@ -560,11 +565,34 @@ def _step_seconds(region: graph_lib.ForwardRegion, size: Sizer) -> tuple[float, 
     return forward, backward
 
 
-def _gradient_seconds(op: tf.Operation, size: Sizer, throughput) -> float:
+def _gradient_seconds(op: tf.Operation, size: Sizer, throughput, traffic_share: float = 1.0) -> float:
     """The time model's seconds of ``op``'s gradient (0 for an op without a kernel)."""
     if op.type in _NO_KERNEL_OP_TYPES or op.type in op_types.SHAPE_ONLY_READERS:
         return 0.0
-    return timing.backward_seconds(size.seconds(op), timing.kind_of(op.type), throughput)
+    forward = size.seconds(op) if traffic_share == 1.0 else op_seconds(op, size, traffic_share)
+    return timing.backward_seconds(forward, timing.kind_of(op.type), throughput)
+
+
+def timed_seconds(timeline: "_Timeline", size: Sizer, end_step: float,
+                  cache_bytes: int | None = None) -> float:
+    """The time model's seconds of every kernel a replay ran (forward, copies,
+    gradients), each kernel's bytes priced by where the replay finds them: in the
+    last-level cache or in memory (:mod:`.step_time`; ``cache_bytes``: the cache, by
+    default this machine's, :func:`.timing.cache_bytes`)."""
+    throughput = timing.current()
+    cache = timing.cache_bytes() if cache_bytes is None else cache_bytes
+    fits = 0 < timeline.peak(end_step) <= cache
+    traffic = step_time.cached_traffic(timeline.buffers, timeline.reads, timeline.executed,
+                                       cache, fits)
+
+    def price(ran, cached, uncached):
+        op, role = ran
+        share = timing.traffic_share(cached, uncached, throughput)
+        if role == "backward":
+            return _gradient_seconds(op, size, throughput, share)
+        return size.seconds(op) if share == 1.0 else op_seconds(op, size, share)
+
+    return step_time.step_seconds(traffic, timeline.executed, price)
 
 
 #: Ops that run no kernel of their own in a step (grappler folds constants; a
@@ -573,11 +601,18 @@ _NO_KERNEL_OP_TYPES = frozenset({"Const", "Placeholder", "PlaceholderWithDefault
 
 
 class _Timeline:
-    """Buffers with [start, end] steps; the peak is a sweep over them."""
+    """Buffers with [start, end] steps; the peak is a sweep over them.
+
+    It also notes, for the step-time prediction's cache term (:func:`timed_seconds`),
+    which buffers each step reads (``reads``: (step, buffer key)) and which op runs
+    at each step, and as what (``executed``: step -> (op, ``"forward"``,
+    ``"recompute"`` or ``"backward"``))."""
 
     def __init__(self):
         self.buffers: dict = {}
         self.alias: dict = {}
+        self.reads: list = []
+        self.executed: dict = {}
 
     def alloc(self, key, size: int, step: float) -> None:
         self.buffers[key] = [step, step, size]
@@ -590,13 +625,17 @@ class _Timeline:
 
     def use(self, key, step: float) -> None:
         root = self.alias.get(key)
-        if root is not None and self.buffers[root][1] < step:
-            self.buffers[root][1] = step
+        if root is not None:
+            self.reads.append((step, root))
+            if self.buffers[root][1] < step:
+                self.buffers[root][1] = step
 
     def copy(self) -> "_Timeline":
         other = _Timeline()
         other.buffers = {key: list(buffer) for key, buffer in self.buffers.items()}
         other.alias = dict(self.alias)
+        other.reads = list(self.reads)
+        other.executed = dict(self.executed)
         return other
 
     def live(self, end_step: int) -> np.ndarray:
@@ -664,6 +703,8 @@ def _forward(timeline: _Timeline, region, size) -> int:
             timeline.alloc(buffer.ref(), size(buffer), 0)
         timeline.alias_of(t.ref(), buffer.ref())
     for step, op in enumerate(region.order):
+        if op.type not in _NO_KERNEL_OP_TYPES:
+            timeline.executed[step] = (op, "forward")
         for t in op.inputs:
             timeline.use(t.ref(), step)
         if op.type in graph_lib.WHILE_OP_TYPES:
@@ -716,6 +757,7 @@ class _Gradients:
         for ref in refs:
             for key in self.pending.pop(ref, ()):
                 self.timeline.buffers[key][1] = step
+                self.timeline.reads.append((step, key))
 
     def hand_over(self, ref, size: int, step: float) -> bool:
         """Ends the one pending gradient of ``ref`` as the step starts, where it has
@@ -727,6 +769,7 @@ class _Gradients:
             return False
         self.pending.pop(ref)
         self.timeline.buffers[keys[0]][1] = step - 0.5  # freed before the step allocates
+        self.timeline.reads.append((step, keys[0]))
         return True
 
     def finish(self, keep: bool = True, results=None) -> None:
@@ -788,6 +831,7 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
     for ref, nbytes in emitted:
         grads.add(ref, nbytes, step)
     _scratch(timeline, size.scratch(op, gradient=True), step)
+    timeline.executed[step] = (op, "backward")
     return True
 
 
@@ -814,11 +858,13 @@ def predict_baseline(
     unknown_dim: int = 1,
     fetched: bool = True,
     sizer: Sizer | None = None,
+    timed: bool = False,
 ) -> Prediction:
     """Predicted peak of plain ``tf.gradients`` over the region.
 
     ``fetched``: the gradients of xs stay to the end of the step (fetched);
     otherwise each is used as soon as it is made (e.g. by an optimizer's update).
+    ``timed``: also work out :attr:`Prediction.timed_seconds`.
     """
     size = sizer or Sizer(unknown_dim)
     timeline, step = _forward_timeline(region, size)
@@ -834,7 +880,8 @@ def predict_baseline(
     forward_work = sum(size.cost(op) for op in region.order)
     forward_seconds, backward_seconds = step_seconds(region, size)
     return Prediction(timeline.peak(step + 1), forward_work, size.assumptions(),
-                      forward_seconds=forward_seconds, backward_seconds=backward_seconds)
+                      forward_seconds=forward_seconds, backward_seconds=backward_seconds,
+                      timed_seconds=timed_seconds(timeline, size, step + 1) if timed else 0.0)
 
 
 def predict_checkpointed(
@@ -847,9 +894,10 @@ def predict_checkpointed(
     sizer: Sizer | None = None,
     stops: Sequence[tf.Tensor] = (),
     schedule: schedule_lib.Schedule | None = None,
+    timed: bool = False,
 ) -> Prediction:
     """Predicted peak of :func:`checkpointing.gradients` with these checkpoints and
-    ``stop_gradients=stops`` (see :func:`predict_baseline` for ``fetched``; ``sizer``
+    ``stop_gradients=stops`` (see :func:`predict_baseline` for ``fetched`` and ``timed``; ``sizer``
     shares sizes between predictions; ``schedule``: their backward schedule, when
     already worked out).  The backward pass takes the steps of
     :func:`.schedule.backward_schedule`, as the rewrite does."""
@@ -861,6 +909,7 @@ def predict_checkpointed(
         replay.timeline.peak(replay.step + 1), forward_work, size.assumptions(),
         tuple(replay.recomputed.most_common()), forward_seconds, backward_seconds,
         replay.recompute_seconds, replay.repeated_backward_seconds(),
+        timed_seconds(replay.timeline, size, replay.step + 1) if timed else 0.0,
     )
 
 
@@ -1045,6 +1094,7 @@ class _Replay:
             seconds = self.size.cost(op)  # the planner's cost is the time model's seconds
             self.recompute_seconds += seconds
             self.recomputed[op.type] += 1
+            timeline.executed[self.step] = (op, "recompute")
             for t in op.inputs:
                 timeline.use(rename(t.ref()), self.step)
             for t in op.outputs:

@@ -14,11 +14,19 @@ An op is ``max(flops / rate(kind), bytes / bandwidth) + seconds_per_op``: a
 roofline with a fixed cost per kernel (the executor's scheduling, which a plan
 that recomputes many tiny ops pays once per copy).  Its gradient costs
 ``backward_factor(kind)`` times as much.
+
+The step-time prediction adds a cache term (the planner's cost does not): where
+the memory model's replay finds that a kernel's bytes were touched recently (less
+than the last-level cache, :func:`cache_bytes`, since), they cost
+``cached_traffic_share`` of what they cost from memory (``traffic_share`` of
+:func:`op_seconds`; see ``simulate.timed_seconds``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import glob
 import json
 import logging
 import os
@@ -48,11 +56,19 @@ def kind_of(op_type: str) -> str:
     return "other"
 
 
+#: :attr:`Throughput.cached_traffic_share` until calibrated: a 1 MiB ``TanhGrad`` whose
+#: three buffers were all touched within the cache took 0.55x the time of one that read
+#: its forward tensor from memory (2-core AMD EPYC, 32 MiB L3; docs/results.md).
+DEFAULT_CACHED_TRAFFIC_SHARE = 0.4
+
+
 @dataclasses.dataclass(frozen=True)
 class Throughput:
     """What one kernel costs on a machine: FLOP rates per kind, memory bandwidth, a fixed cost.
 
     ``backward`` is the time of an op's gradient over the op's own, per kind.
+    ``cached_traffic_share``: the time of a byte found in the last-level cache over
+    one read from (or written to) memory.
     """
 
     flops_per_second: Mapping[str, float]
@@ -60,17 +76,21 @@ class Throughput:
     seconds_per_op: float
     backward: Mapping[str, float]
     source: str = "default"
+    cached_traffic_share: float = DEFAULT_CACHED_TRAFFIC_SHARE
 
     def as_dict(self) -> dict:
         return dict(flops_per_second=dict(self.flops_per_second),
                     bytes_per_second=self.bytes_per_second, seconds_per_op=self.seconds_per_op,
-                    backward=dict(self.backward), source=self.source)
+                    backward=dict(self.backward), source=self.source,
+                    cached_traffic_share=self.cached_traffic_share)
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Throughput":
         return cls(dict(data["flops_per_second"]), float(data["bytes_per_second"]),
                    float(data["seconds_per_op"]), dict(data["backward"]),
-                   str(data.get("source", "cache")))
+                   str(data.get("source", "cache")),
+                   float(data.get("cached_traffic_share", DEFAULT_CACHED_TRAFFIC_SHARE)))
+
 
 
 #: Used until :func:`calibrate` has run on this machine: :func:`calibrate`'s figures on
@@ -83,10 +103,54 @@ DEFAULT = Throughput(
 )
 
 
-def op_seconds(flops: float, traffic_bytes: float, kind: str, throughput: Throughput) -> float:
-    """Modelled seconds of one kernel that does ``flops`` and moves ``traffic_bytes``."""
+def op_seconds(flops: float, traffic_bytes: float, kind: str, throughput: Throughput,
+               traffic_share: float = 1.0) -> float:
+    """Modelled seconds of one kernel that does ``flops`` and moves ``traffic_bytes``;
+    ``traffic_share``: what its bytes cost over bytes from memory (less where some are
+    in the cache)."""
     rate = throughput.flops_per_second.get(kind) or throughput.flops_per_second["other"]
-    return max(flops / rate, traffic_bytes / throughput.bytes_per_second) + throughput.seconds_per_op
+    memory = traffic_share * traffic_bytes / throughput.bytes_per_second
+    return max(flops / rate, memory) + throughput.seconds_per_op
+
+
+def traffic_share(cached_bytes: float, uncached_bytes: float, throughput: Throughput) -> float:
+    """What a kernel's bytes cost over bytes from memory, where ``cached_bytes`` of them
+    are found in the cache (1.0 where it moves none)."""
+    total = cached_bytes + uncached_bytes
+    if not total:
+        return 1.0
+    return (uncached_bytes + throughput.cached_traffic_share * cached_bytes) / total
+
+
+@functools.lru_cache(maxsize=1)
+def cache_bytes() -> int:
+    """This machine's last-level cache, in bytes (from sysfs; 0, no cache term, where
+    it cannot be read).  ``$MSG_CACHE_BYTES`` overrides it."""
+    stated = os.environ.get("MSG_CACHE_BYTES")
+    if stated:
+        return int(stated)
+    largest = (0, 0)
+    for folder in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(folder, "level"), encoding="utf-8") as handle:
+                level = int(handle.read())
+            with open(os.path.join(folder, "type"), encoding="utf-8") as handle:
+                if handle.read().strip() == "Instruction":
+                    continue
+            with open(os.path.join(folder, "size"), encoding="utf-8") as handle:
+                size = _parse_size(handle.read().strip())
+        except (OSError, ValueError):
+            continue
+        largest = max(largest, (level, size))
+    return largest[1]
+
+
+def _parse_size(text: str) -> int:
+    """sysfs's cache size ("32768K", "2M") in bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text and text[-1].upper() in units:
+        return int(text[:-1]) * units[text[-1].upper()]
+    return int(text)
 
 
 def backward_seconds(forward_seconds: float, kind: str, throughput: Throughput) -> float:
@@ -168,15 +232,22 @@ def calibrate(force: bool = False, repeats: int = 5) -> Throughput:
     if not force:
         cached = _load(key)
         if cached is not None:
-            with _lock:
-                _current = cached
+            _use(cached)
             return cached
     measured = _measure(repeats)
     _save(key, measured)
-    with _lock:
-        _current = measured
+    _use(measured)
     logger.info("time model calibrated: %s", measured.as_dict())
     return measured
+
+
+def _use(throughput: Throughput) -> None:
+    global _current
+    with _lock:
+        _current = throughput
+    from . import memo
+
+    memo.forget()  # plans remembered with the figures of the throughputs used before
 
 
 def _measure(repeats: int) -> Throughput:
@@ -217,8 +288,21 @@ def _measure(repeats: int) -> Throughput:
         chain = tiny
         for _ in range(200):
             chain = chain * 1.0001
+        # chains of elementwise products over a vector that fits the cache and one that
+        # does not: what a cached byte costs over one from memory (differences of two
+        # chain lengths, so that the run's own cost cancels)
+        cache = cache_bytes()
+        scaled = {}
+        for nbytes, long in ((cache // 8, 17), (4 * cache, 3)) if cache else ():
+            vector = tf.Variable(tf.zeros([nbytes // 4]))
+            ends = [vector * 1.0001]
+            for _ in range(long - 1):
+                ends.append(ends[-1] * 1.0001)
+            scaled[nbytes] = (ends[0], ends[-1], long - 1)
         init = tf.compat.v1.global_variables_initializer()
     config = tf.compat.v1.ConfigProto()
+    # as written: grappler would fold the chains of products into one op
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
     with tf.compat.v1.Session(graph=graph, config=config) as session:
         session.run(init)
         per_op = best_seconds(session, chain.op) / 200
@@ -231,7 +315,15 @@ def _measure(repeats: int) -> Throughput:
             rates[kind] = flops / forward
             if kind == "other":
                 bandwidth = 2 * out_bytes / forward  # reads and writes the whole vector
-    return Throughput(rates, bandwidth, per_op, backward, source=f"calibrated: {machine_key()}")
+        share = DEFAULT_CACHED_TRAFFIC_SHARE
+        if scaled:
+            per_byte = []  # seconds per byte read and written, cached then from memory
+            for nbytes, (one, last, more) in sorted(scaled.items()):
+                extra = best_seconds(session, last.op) - best_seconds(session, one.op)
+                per_byte.append(max(extra, 1e-9) / (more * 2 * nbytes))
+            share = min(1.0, max(0.05, round(per_byte[0] / per_byte[1], 2)))
+    return Throughput(rates, bandwidth, per_op, backward, source=f"calibrated: {machine_key()}",
+                      cached_traffic_share=share)
 
 
 def as_text(throughput: Throughput) -> str:

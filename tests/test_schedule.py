@@ -222,4 +222,6 @@ def test_gradients_taken_again_where_segments_share_ops_count_in_the_step_time()
         assert predicted.repeated_backward_seconds > 0
         assert predicted.step_time_ratio == pytest.approx(
             (plain + predicted.recompute_seconds + predicted.repeated_backward_seconds) / plain)
-        assert the_plan.predicted_step_ratio == pytest.approx(predicted.step_time_ratio)
+        # the plan prices each kernel its replay ran, with the cache term; this graph
+        # fits the cache, so its ratio is the same within 1%
+        assert the_plan.predicted_step_ratio == pytest.approx(predicted.step_time_ratio, rel=0.01)
