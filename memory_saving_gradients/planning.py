@@ -44,7 +44,9 @@ class Plan:
         :meth:`peak_at` and :meth:`largest_batch` answer for any batch.
       predicted_step_ratio: the time model's (:mod:`.timing`) time of the forward and
         backward pass with this plan's recomputation over plain ``tf.gradients``' (the
-        region's ops only: not the optimizer's update or the input pipeline).
+        region's ops only: not the optimizer's update or the input pipeline); each
+        kernel's bytes cost less where the memory model's replay finds them in the
+        last-level cache (:mod:`.step_time`).
       schedule: the backward schedule (:class:`.schedule.Schedule`) the prediction
         replays and ``gradients()`` builds: its ``steps``, in order, and
         ``describe()`` them by name.
