@@ -438,6 +438,12 @@ def create_op(graph: tf.Graph, op_type: str, inputs: list, **kwargs) -> tf.Opera
     return graph._create_op_internal(op_type, inputs, **kwargs)
 
 
+def update_input(op: tf.Operation, index: int, tensor: tf.Tensor) -> None:
+    """``Operation._update_input``: ``op`` reads ``tensor`` as its input ``index``
+    (*rewrite.py only*)."""
+    op._update_input(index, tensor)
+
+
 def set_op_device(op: tf.Operation, device) -> None:
     """``Operation._set_device`` (*rewrite.py only*)."""
     op._set_device(device)

@@ -1064,6 +1064,12 @@ class _BackwardPass:
                 )
         except LookupError as error:
             raise _naming_original(error, step.segment.ops, copies) from error
+        region, x_keys = self._request.region, self._x_keys
+        running = graph_lib.copies_that_run(
+            step.segment.ops, lambda t: t.op in region or t.ref() in x_keys,
+            self._schedule.read_kept)
+        rewrite.read_kept_outputs(step.segment.ops, copies, running, self._schedule.read_kept,
+                                  made_after)
         if not self._for_xla:
             self._order_early_gradients(index, input_grads, copies, made_after)
         # The next recomputation waits for all of this one's gradients: segments

@@ -22,7 +22,7 @@ import heapq
 import math
 import os
 import weakref
-from typing import Callable, Hashable, Iterable, Sequence
+from typing import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -501,7 +501,30 @@ def gradient_reads_output_of(op: tf.Operation, consumer: tf.Operation,
     return any(t.op is op and t.ref() in read for t in consumer.inputs)
 
 
-def copies_that_run(ops: Sequence[tf.Operation], needs_gradient: NeedsGradient = lambda tensor: True) -> set:
+def kept_read_by_gradients(region: "ForwardRegion", kept: Mapping, xs: Sequence[tf.Tensor]) -> frozenset:
+    """Refs of the kept tensors that the gradient of a consumer reads (a product's or a
+    convolution's input): they are held until that gradient whatever the plan, so the
+    gradient of their producer, which comes next, reads them too instead of a copy
+    (:func:`copies_that_run`).  A kept tensor no consumer's gradient reads (a ``Tanh``
+    feeding a ``Tanh``) is still recomputed for its own gradient: held instead, it
+    would stay live across the next segment's gradients, where its peak lies."""
+    xs_refs = {x.ref() for x in xs}
+
+    def needs_gradient(t):
+        return t.op in region or t.ref() in xs_refs
+
+    found = set()
+    for ref, t in kept.items():
+        if t.op not in region or not gradient_reads(t.op)[1]:
+            continue
+        if any(c in region and gradient_reads_output_of(t.op, c, needs_gradient)
+               for c in t.consumers()):
+            found.add(ref)
+    return frozenset(found)
+
+
+def copies_that_run(ops: Sequence[tf.Operation], needs_gradient: NeedsGradient = lambda tensor: True,
+                    kept: Collection = frozenset()) -> set:
     """The ops of a recomputed segment whose copies actually run.
 
     A copy runs when a gradient in the segment reads its outputs, or when it
@@ -509,12 +532,16 @@ def copies_that_run(ops: Sequence[tf.Operation], needs_gradient: NeedsGradient =
     residual add, or attention scores only scaled by a constant) are pruned
     by grappler, since nothing reads them.  ``needs_gradient(tensor)``: whether
     an input's gradient is wanted (a product's gradient for a constant factor
-    is computed, but nothing fetches it).
+    is computed, but nothing fetches it).  ``kept``: refs of kept tensors whose
+    producer's gradient reads the kept tensor, not a copy
+    (:func:`kept_read_by_gradients`); an op whose own gradient reads only such
+    outputs of it (a kept ``Relu`` output feeding a convolution) is not copied for
+    that gradient (:func:`.rewrite.read_kept_outputs`).
     """
     inside = set(ops)
     running: set = set()
     for op in sorted(ops, key=op_order, reverse=True):
-        if gradient_reads(op)[1] or any(
+        if any(t.ref() not in kept for t in gradient_reads(op)[1]) or any(
             c in running or gradient_reads_output_of(op, c, needs_gradient)
             for t in op.outputs for c in t.consumers() if c in inside
         ):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Sequence, Union
 
 from . import _tensorflow as _tf_internals
 from . import graph as graph_lib
@@ -271,6 +271,30 @@ def _copied_attrs(op: tf.Operation) -> dict:
     attrs = dict(op.node_def.attr)
     attrs.pop("_xla_compile_id", None)
     return attrs
+
+
+def read_kept_outputs(ops: Sequence[tf.Operation], copies: dict, running: set,
+                      read_kept: Collection, made_after: int) -> int:
+    """Where a gradient built after op id ``made_after`` reads the copy of a kept tensor
+    whose copy need not run (its op is not in ``running``; the tensor is in
+    ``read_kept``), it reads the kept tensor instead, so that grappler prunes the copy
+    (see :func:`.graph.copies_that_run`).  Returns how many inputs it rerouted."""
+    rerouted = 0
+    for op in ops:
+        if op in running:
+            continue
+        for t in op.outputs:
+            copy = copies.get(t.ref())
+            if copy is None or t.ref() not in read_kept:
+                continue
+            for consumer in list(copy.consumers()):
+                if _tf_internals.op_id(consumer) <= made_after:
+                    continue
+                for index, read in enumerate(consumer.inputs):
+                    if read is copy:
+                        _tf_internals.update_input(consumer, index, t)
+                        rerouted += 1
+    return rerouted
 
 
 def add_control_inputs(ops: Iterable[tf.Operation], deps: Sequence[tf.Operation]) -> None:

@@ -128,6 +128,8 @@ class Schedule:
 
     Attributes:
       kept: the tensors kept from the forward pass, by ``ref()`` (:func:`.graph.boundary_tensors`).
+      read_kept: refs of the kept tensors that their producer's gradient reads, not a
+        copy (:func:`.graph.kept_read_by_gradients`).
       carriers: refs of the tensors whose gradient can reach an x.
       stop_ops: the ops of ``stop_gradients``.
       steps: the :class:`Step` s, in the order the backward pass takes them.
@@ -137,6 +139,7 @@ class Schedule:
     carriers: frozenset
     stop_ops: frozenset
     steps: tuple
+    read_kept: frozenset = frozenset()
 
     def describe(self) -> tuple:
         """Every step by names (:meth:`Step.describe`), for comparisons."""
@@ -172,7 +175,8 @@ def backward_schedule(
         for index, (group, segment) in enumerate(groups)
         if group[-1] not in stop_ops
     )
-    return Schedule(kept=kept, carriers=facts.carriers, stop_ops=stop_ops, steps=steps)
+    return Schedule(kept=kept, carriers=facts.carriers, stop_ops=stop_ops, steps=steps,
+                    read_kept=graph_lib.kept_read_by_gradients(region, kept, xs))
 
 
 def _step(index: int, group: tuple, segment, kept: dict, facts: RegionFacts) -> Step:

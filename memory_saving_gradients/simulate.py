@@ -969,7 +969,8 @@ def _replayed(region, ys, xs, checkpoints, size, fetched, stops, schedule, gates
         schedule = schedule_lib.backward_schedule(region, ys, xs, checkpoints, stops)
     for y in ys:
         grads.add(y.ref(), size(y), step)
-    replay = _Replay(timeline, grads, region, xs_refs, size, memo, step, gates)
+    replay = _Replay(timeline, grads, region, xs_refs, size, memo, step, gates,
+                     schedule.read_kept)
     for backward_step in schedule.steps:
         # as the rewrite: a step runs when a gradient reaches one of its targets, and
         # builds nothing when none of its gradients reaches an x
@@ -990,8 +991,10 @@ LATE_HEADROOM = 0.05
 class _Replay:
     """The backward steps of a checkpointed pass on a timeline: recomputations and gradients."""
 
-    def __init__(self, timeline, grads, region, xs_refs, size, memo, step, gates=False):
+    def __init__(self, timeline, grads, region, xs_refs, size, memo, step, gates=False,
+                 read_kept=frozenset()):
         self.timeline, self.grads, self.region = timeline, grads, region
+        self.read_kept = read_kept
         self.xs_refs, self.size, self.memo = xs_refs, size, memo
         self.step = step  # the last step taken
         self.gates = [] if gates else None  # gated products: (key, step, buffers read)
@@ -1004,7 +1007,8 @@ class _Replay:
         """One step: its segment's recomputation, if recomputed, then its ops' gradients."""
         segment, index = backward_step.segment, backward_step.index
         recompute = backward_step.handling == schedule_lib.RECOMPUTED
-        inside = set(segment.ops) if recompute else set()
+        # the copies that run; the outputs of the others that a gradient reads are kept
+        inside = self._running(segment.ops) if recompute else set()
 
         def rename(ref):
             if ref.__class__ is tuple:  # a loop's kept iterations (_loop_key)
@@ -1013,7 +1017,7 @@ class _Replay:
 
         if recompute:
             first = self.step + 1
-            self._recompute(segment.ops, index, rename)
+            self._recompute(segment.ops, index, rename, inside)
         position = {op: i for i, op in enumerate(segment.ops)} if recompute else {}
         for op in reversed(segment.ops):
             self.step += 1
@@ -1083,10 +1087,15 @@ class _Replay:
         return {index: int(limit - live[first:last + 1].max())
                 for index, (first, last) in self.windows.items() if last >= first}
 
-    def _recompute(self, ops, index, rename) -> None:
-        """The copies of ``ops`` that run (:func:`graph.copies_that_run`), in order."""
-        region, xs_refs, timeline = self.region, self.xs_refs, self.timeline
-        running = graph_lib.copies_that_run(ops, lambda t: t.op in region or t.ref() in xs_refs)
+    def _running(self, ops) -> set:
+        """:func:`graph.copies_that_run` of a recomputed segment."""
+        region, xs_refs = self.region, self.xs_refs
+        return graph_lib.copies_that_run(ops, lambda t: t.op in region or t.ref() in xs_refs,
+                                         self.read_kept)
+
+    def _recompute(self, ops, index, rename, running) -> None:
+        """The copies of ``ops`` that run (``running``), in order."""
+        timeline = self.timeline
         for op in ops:
             if op not in running:
                 continue  # nothing reads this copy: grappler prunes it

@@ -294,10 +294,15 @@ def test_op_construction():
             compute_device=False)
         shim.set_op_device(copy, "/cpu:0")
         shim.add_control_inputs(copy, [b.op])
+        rewired = tf.multiply(a, a)
+        shim.update_input(rewired.op, 1, b)
     assert copy.type == "Mul" and copy.device.lower().endswith("cpu:0")
     assert copy.control_inputs == [b.op] and not b.op.node_def.attr.get("_class")
+    assert [t.name for t in rewired.op.inputs] == [a.name, b.name]
+    assert rewired.op in b.consumers() and a.consumers().count(rewired.op) == 1
     with tf.compat.v1.Session(graph=graph) as sess:
         assert sess.run(copy.outputs[0]) == 6.0
+        assert sess.run(rewired) == 6.0
 
 
 def test_autograph_staging_traces_are_told_from_real_ones():
@@ -502,7 +507,8 @@ def test_observe_function_calls_sees_eager_runs_until_stopped():
 def test_no_other_library_module_reaches_tensorflow_internals():
     pattern = re.compile(r"tensorflow\.python|\._id\b|\._control_flow_context|_nodes_by_id|"
                          r"\._is_function\b|\._tape\b|\._pop_tape\(|\._gradient_function\b|"
-                         r"_create_op_internal|\._add_control_inputs|\._set_device\(")
+                         r"_create_op_internal|\._add_control_inputs|\._set_device\(|"
+                         r"\._update_input\(")
     offenders = [
         f"{path.name}:{number}: {line.strip()}"
         for path in sorted(LIBRARY.glob("*.py")) if path.name != "_tensorflow.py"
@@ -513,7 +519,8 @@ def test_no_other_library_module_reaches_tensorflow_internals():
 
 
 def test_only_rewrite_calls_the_graph_changing_forwards():
-    changing = ("create_op", "set_op_device", "add_control_inputs", "set_gradient_override",
+    changing = ("create_op", "set_op_device", "add_control_inputs", "update_input",
+                "set_gradient_override",
                 "set_graph_control_flow_context", "replace_gradient_function_lookup")
     pattern = re.compile(r"_tf_internals\.(" + "|".join(changing) + r")\b")
     callers = {path.name for path in LIBRARY.glob("*.py")
