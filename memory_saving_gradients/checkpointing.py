@@ -533,6 +533,7 @@ def _prepare(ys, xs, stop_gradients=None) -> _Problem:
         xs_tensors = _x_tensors(_as_list(xs), graph)
         _check_same_graph(ys_list + xs_tensors, graph, "ys and xs", ys_list)
         stops = _stop_list(stop_gradients)
+        _check_same_graph(stops, graph, "stop_gradients", ys_list)
         region = graph_lib.forward_region(ys_list, xs_tensors, stops)
     return _Problem(graph, ys_list, xs_tensors, region, stops)
 
@@ -1312,7 +1313,14 @@ def _check_same_graph(tensors, graph, what: str, ys: Sequence[tf.Tensor] = ()) -
     with ``ys``, the first of ys, so that either side of the mistake is named)."""
     for t in tensors:
         if getattr(t, "graph", None) is not graph:
-            name = getattr(t, "name", t)
+            if getattr(t, "graph", None) is None:  # an eager tensor: a value, not a node
+                raise ValueError(
+                    f"{what}: an eager tensor of shape {tuple(t.shape)} and dtype "
+                    f"{t.dtype.name} is a value computed outside the graph being "
+                    "differentiated (e.g. before the tf.function was called). Compute it "
+                    "from ys' and xs' graph: inside the tf.function, or under the same graph."
+                )
+            name = t.name
             first_y = ""
             if ys:
                 same = " (another tensor of that name)" if ys[0].name == name else ""

@@ -14,6 +14,10 @@ import memory_saving_gradients as msg
 from test_models import chain
 
 
+#: made at import, eagerly: a value, not a node of any graph
+EAGER_ONES = tf.ones([8])
+
+
 @pytest.fixture
 def model(graph):
     return chain.build_tanh_chain(n=6, size=8)
@@ -129,6 +133,40 @@ def test_string_where_a_tensor_belongs(model, unchanged, where):
     args[where] = ["chain_tanh/Tanh:0"]
     call_fails(TypeError, [where, "tensor", "str"], args["ys"], args["xs"],
                checkpoints=[model.units[2]], stop_gradients=args["stop_gradients"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("checkpoints", ["memory", "speed"])
+def test_stop_gradients_from_another_graph_or_eager(model, unchanged, checkpoints):
+    """Checked before anything is built, also by plan(): a strategy that kept nothing
+    fell back to tf.gradients, which raised TensorFlow's own error after adding ops (an
+    eager tensor: an AttributeError, three ops left), and plan() accepted them."""
+    other = tf.Graph()
+    with other.as_default():
+        foreign = tf.ones([8], name="foreign_stop")
+    eager = EAGER_ONES
+    call_fails(ValueError, ["stop_gradients", "another graph", "foreign_stop"],
+               model.loss, model.inputs, checkpoints=checkpoints, stop_gradients=[foreign])
+    call_fails(ValueError, ["stop_gradients", "eager tensor", "shape \\(8,\\)", "inside the tf.function"],
+               model.loss, model.inputs, checkpoints=checkpoints, stop_gradients=[eager])
+    for stop in (foreign, eager):
+        with pytest.raises(ValueError, match="stop_gradients"):
+            msg.plan(model.loss, model.inputs, checkpoints=checkpoints, stop_gradients=[stop])
+
+
+@pytest.mark.unit
+def test_eager_tensor_as_a_checkpoint_inside_a_function():
+    """An eager tensor among the checkpoints of a tf.function's gradient: the library's
+    message (its check compared the tensor with a name and raised a TypeError)."""
+    eager = tf.ones([8])
+
+    @tf.function
+    def step(x):
+        h = tf.tanh(tf.tanh(x))
+        return msg.gradients(tf.reduce_sum(tf.tanh(h)), [x], checkpoints=[h, eager])
+
+    with pytest.raises(ValueError, match="checkpoints: an eager tensor .* outside the graph"):
+        step(tf.ones([8]))
 
 
 @pytest.mark.unit
