@@ -13,7 +13,6 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 from test_models import chain
 
-
 #: made at import, eagerly: a value, not a node of any graph
 EAGER_ONES = tf.ones([8])
 
