@@ -123,7 +123,8 @@ def gradients(
                 aggregation_method, stop_gradients, unconnected_gradients, memory_budget,
                 batch_size,
             )
-    except Exception:
+    except Exception as error:
+        reporting.raised(error)
         recovery.after_failure()  # the tf.function or Keras model being traced can trace again
         raise
 

@@ -70,6 +70,7 @@ class Record:
         self.nested: list[Record] = []
         self.ran: collections.Counter = collections.Counter()
         self.ran_plain: collections.Counter = collections.Counter()
+        self.raised: collections.Counter = collections.Counter()  # error type -> calls
 
 
 _local = threading.local()
@@ -111,6 +112,17 @@ def called() -> None:
     record = current()
     if record is not None:
         record.calls += 1
+
+
+def raised(error: BaseException, record: Record | None = None, counted: bool = True) -> None:
+    """A gradient computation raised ``error``: count it apart (for ``record``, by default
+    the current one), so that a warning does not say it used plain tf.gradients;
+    ``counted``: it was counted by :func:`called`."""
+    record = record or current()
+    if record is not None:
+        if counted and record.calls:
+            record.calls -= 1
+        record.raised[type(error).__name__] += 1
 
 
 def called_plain(reason: str, graph: tf.Graph | None = None) -> None:
@@ -263,6 +275,10 @@ def _function_name(graph: tf.Graph) -> str:
     return " in ".join(f"function {name!r}" for name in names)
 
 
+def _raised(record: Record) -> str:
+    return ", ".join(f"{n}x {name}" for name, n in record.raised.most_common())
+
+
 def warn_if_nothing_rewritten(record: Record, what: str) -> None:
     """Once per record: a warning naming the likely cause, if nothing was rewritten."""
     if record.plans or record.warned:
@@ -274,7 +290,8 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
                     "backward pass(es) in its place (their handles' plans list them).",
                     what, by_nested)
         return
-    if record.ran and not (record.ran_plain or record.eager or record.calls or record.plain):
+    if record.ran and not (record.ran_plain or record.eager or record.calls or record.plain
+                           or record.raised):
         logger.info("%s built no gradient itself: the step(s) it ran (%s) were planned "
                     "by another entry point, whose settings hold for them: an earlier "
                     "patch they were traced under, or keras.enable on their model (its "
@@ -293,6 +310,10 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
             "tf.gradients (a NothingKeptWarning says why the first time a graph of that "
             "structure is planned)"
         )
+    elif record.raised:
+        category = notices.NothingRewrittenWarning
+        cause = (f"its {sum(record.raised.values())} gradient computation(s) raised "
+                 f"({_raised(record)}) and built nothing: the error says why")
     elif record.plain:
         category = notices.NothingRewrittenWarning
         reasons = "; ".join(f"{n}x {reason}" for reason, n in record.plain.most_common())
@@ -330,4 +351,6 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
     if record.plain and (record.eager or record.calls):
         reasons = "; ".join(f"{n}x {reason}" for reason, n in record.plain.most_common())
         cause += f". Tape gradients left to TensorFlow: {reasons}"
+    if record.raised and (record.eager or record.calls or record.plain):
+        cause += f". Gradient computations that raised: {_raised(record)}"
     notices.warn(f"{what} rewrote nothing: {cause}.", category)

@@ -209,10 +209,12 @@ def checkpointed_gradient(
     if _stays_plain(tape, config):
         return plain()
     if target is None:
-        raise TypeError(
+        error = TypeError(
             "Argument `target` should be a list or nested structure of Tensors, "
             "Variables or CompositeTensors to be differentiated, but received None."
         )
+        reporting.raised(error, config.record, counted=False)
+        raise error
     flat_targets = tf.nest.flatten(target)
     flat_sources = tf.nest.flatten(sources)
     recording = _recording(tape)
@@ -224,10 +226,12 @@ def checkpointed_gradient(
         reporting.left_plain(config.record, why_not, tf.compat.v1.get_default_graph())
         return plain()
     if _tf_internals.tape_is_used_up(tape):
-        raise RuntimeError(
+        error = RuntimeError(
             "A non-persistent GradientTape can only be used to compute one set "
             "of gradients (or jacobians)"
         )
+        reporting.raised(error, config.record, counted=False)
+        raise error
     ys = [_as_target(t) for t in flat_targets]
     graph = ys[0].graph
     if graph is not recording.graph:

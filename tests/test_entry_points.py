@@ -275,6 +275,34 @@ def test_a_failed_patched_step_raises_without_saying_it_rewrote_nothing():
     assert not handle.active  # the patch is undone all the same
 
 
+def test_a_gradient_that_raised_inside_the_block_is_named_as_such():
+    """A gradient that raised (the error caught inside the block) is not reported as one
+    that "kept no checkpoint and used plain tf.gradients", nor as a step "traced before"
+    the patch: the warning says it raised."""
+    w = tf.Variable(tf.ones([16, 16]) * 0.05)
+
+    @tf.function
+    def bad_grad_ys(x):
+        return tf.gradients(tf.reduce_sum(tf.tanh(tf.tanh(x @ w) @ w)), [w],
+                            grad_ys=[tf.ones([3])])
+
+    @tf.function
+    def none_target(x):
+        with tf.GradientTape() as tape:
+            tf.tanh(x @ w)
+        return tape.gradient(None, w)
+
+    for step, error in ((bad_grad_ys, ValueError), (none_target, TypeError)):
+        with pytest.warns(msg.NothingRewrittenWarning) as caught:
+            with msg.patched("memory"):
+                with pytest.raises(error):
+                    step(tf.ones([8, 16]))
+        text = " ".join(str(w.message) for w in caught
+                        if issubclass(w.category, msg.NothingRewrittenWarning))
+        assert f"raised (1x {error.__name__})" in text, text
+        assert "used plain" not in text and "traced before" not in text, text
+
+
 # -- 3. it says what it did -----------------------------------------------------------
 
 def _rewrite_lines(caplog):
