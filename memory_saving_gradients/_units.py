@@ -15,5 +15,5 @@ def describe_bytes(count: float) -> str:
     """``count`` bytes for a message: in MB with two decimals, or in bytes under 0.01 MB
     (a budget of 10 bytes is not "0.00 MB")."""
     if abs(count) < 0.01 * MIB:
-        return f"{int(count)} bytes"
+        return f"{count:g} bytes"
     return f"{count / MIB:.2f} MB"

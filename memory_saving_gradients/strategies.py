@@ -406,10 +406,15 @@ def _budgeted_choice(proposals: _Proposals, memory_budget) -> list:
         return _least_work(fitting).tensors
     least = min((p.peak for p in above), default=float("nan"))
     raise ValueError(
-        f"memory_budget={describe_bytes(memory_budget)} cannot be met: the smallest peak "
-        f"the memory model finds for this graph is {describe_bytes(least)} "
-        f"({least} bytes). Raise the budget, or reduce the batch size."
+        f"memory_budget={describe_bytes(memory_budget)}{_in_bytes(memory_budget)} cannot be "
+        f"met: the smallest peak the memory model finds for this graph is "
+        f"{describe_bytes(least)}{_in_bytes(least)}. Raise the budget, or reduce the batch size."
     )
+
+
+def _in_bytes(count: float) -> str:
+    """`` (N bytes)`` beside a figure :func:`describe_bytes` gave in MB."""
+    return f" ({count:.0f} bytes)" if describe_bytes(count).endswith("MB") else ""
 
 
 #: The program's grids of ``kept`` tried under a memory budget (steps per budget).

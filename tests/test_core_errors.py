@@ -260,5 +260,7 @@ def test_an_unmet_budget_on_a_small_graph_gives_the_least_peak_in_bytes():
         loss = tf.reduce_sum(h)
         with pytest.raises(ValueError, match="cannot be met") as raised:
             msg.gradients(loss, weights, checkpoints="memory", memory_budget=10)
+        with pytest.raises(ValueError, match="memory_budget=1.5 bytes cannot be met"):
+            msg.plan(loss, weights, checkpoints="memory", memory_budget=1.5)  # was "1 bytes"
     said = str(raised.value)
     assert "0.0 MB" not in said and re.search(r"finds for this graph is \d+ bytes", said), said
