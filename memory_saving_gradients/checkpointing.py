@@ -645,6 +645,14 @@ def choose_checkpoints(
             f"(got {[t.name for t in given][:10]}).{inside} Pass intermediate activations, "
             "or use checkpoints='memory'."
         )
+    ends = {t.ref() for t in list(ys) + list(xs)}
+    kept = {t.ref() for t in usable}
+    aside = [t.name for t in outer if t.ref() not in kept and t.ref() not in ends]
+    if aside:  # xs and ys in the list are dropped as documented; these are not on the way
+        logger.warning(
+            "Ignoring %d of the %d checkpoints: not on a path from xs to ys (that "
+            "stop_gradients leaves), so nothing there is recomputed: %s.",
+            len(aside), len(given), aside[:5])
     return usable
 
 

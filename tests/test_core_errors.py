@@ -264,3 +264,18 @@ def test_an_unmet_budget_on_a_small_graph_gives_the_least_peak_in_bytes():
             msg.plan(loss, weights, checkpoints="memory", memory_budget=1.5)  # was "1 bytes"
     said = str(raised.value)
     assert "0.0 MB" not in said and re.search(r"finds for this graph is \d+ bytes", said), said
+
+
+def test_a_listed_checkpoint_off_the_path_is_named(model, caplog):
+    """A listed tensor that is not between xs and ys is ignored, and a warning says which
+    (it was dropped silently, the INFO line counting one checkpoint fewer)."""
+    side = tf.sin(model.inputs[0], name="side_branch")
+    with caplog.at_level("WARNING", logger="memory_saving_gradients"):
+        grads = msg.gradients(model.loss, model.inputs, checkpoints=[model.units[2], side])
+    said = [r.getMessage() for r in caplog.records if "side_branch" in r.getMessage()]
+    assert said and "Ignoring 1 of the 2 checkpoints" in said[0], said
+    with caplog.at_level("WARNING", logger="memory_saving_gradients"):
+        caplog.clear()
+        msg.gradients(model.loss, model.inputs, checkpoints=[model.units[2], model.loss])
+    assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]  # a y: as documented
+    assert grads[0] is not None
