@@ -542,18 +542,30 @@ def _prepare(ys, xs, stop_gradients=None) -> _Problem:
 _GRADIENTS_SIGNATURE = inspect.signature(gradients)
 
 
+def _no_checkpoints_argument(function: str, kwargs: dict) -> None:
+    if "checkpoints" in kwargs:
+        raise TypeError(
+            f"{function}() chooses its checkpoints itself; got checkpoints="
+            f"{kwargs['checkpoints']!r}. Call memory_saving_gradients.gradients(..., "
+            "checkpoints=...) to choose them."
+        )
+
+
 def gradients_collection(ys: TensorOrList, xs: Sources, grad_ys: GradYs = None, **kwargs: Any) -> list:
     """``gradients`` with the tensors of the collection ``'checkpoints'``."""
+    _no_checkpoints_argument("gradients_collection", kwargs)
     return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
 
 
 def gradients_memory(ys: TensorOrList, xs: Sources, grad_ys: GradYs = None, **kwargs: Any) -> list:
     """``gradients`` with ``checkpoints='memory'``: bottlenecks chosen for the least peak."""
+    _no_checkpoints_argument("gradients_memory", kwargs)
     return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
 
 
 def gradients_speed(ys: TensorOrList, xs: Sources, grad_ys: GradYs = None, **kwargs: Any) -> list:
     """``gradients`` with ``checkpoints='speed'``: keep convolution and matmul outputs."""
+    _no_checkpoints_argument("gradients_speed", kwargs)
     return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
 
 

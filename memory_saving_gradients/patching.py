@@ -387,6 +387,8 @@ def _patched(checkpoints, tape: bool, options: dict) -> Iterator[Patch]:
 
 def _check(checkpoints, tape: bool, options: dict) -> None:
     """Raise now what the patched functions would raise at the first trace."""
+    if not isinstance(tape, bool):
+        raise TypeError(f"patch(tape=...) takes True or False; got {tape!r}.")
     if tape and not isinstance(checkpoints, str):
         raise TypeError(
             "patch(tape=True) takes a strategy name (e.g. 'memory'): tapes are traced "

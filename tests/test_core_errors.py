@@ -279,3 +279,17 @@ def test_a_listed_checkpoint_off_the_path_is_named(model, caplog):
         msg.gradients(model.loss, model.inputs, checkpoints=[model.units[2], model.loss])
     assert not [r for r in caplog.records if "Ignoring" in r.getMessage()]  # a y: as documented
     assert grads[0] is not None
+
+
+@pytest.mark.unit
+def test_named_strategy_functions_and_patch_say_what_they_take(model, unchanged):
+    """gradients_memory(..., checkpoints=...) said only Python's "got multiple values for
+    keyword argument"; patch(tape='yes') was taken as true."""
+    for function in (msg.gradients_memory, msg.gradients_speed, msg.gradients_collection):
+        with pytest.raises(TypeError, match="chooses its checkpoints itself.*gradients\\(\\.\\.\\., "):
+            function(model.loss, model.inputs, checkpoints="speed")
+    with pytest.raises(TypeError, match="tape=.* True or False; got 'yes'"):
+        msg.patch("memory", tape="yes")
+    from memory_saving_gradients import patching
+
+    assert not patching.is_patched()
