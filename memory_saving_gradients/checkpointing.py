@@ -586,6 +586,19 @@ def choose_checkpoints(
     graph structure (:mod:`.memo`).
     """
     _check_option_values(checkpoints, memory_budget, batch_size)
+    if not any(graph_lib.carries_gradient(x) for x in xs):
+        # no gradient reaches any x: a rewrite would build a backward pass for nothing
+        if isinstance(checkpoints, str):
+            strategies.get(checkpoints)  # a misspelled strategy still raises
+        else:
+            _checkpoint_list(checkpoints)
+        what = (f"checkpoints={checkpoints!r}" if isinstance(checkpoints, str)
+                else "checkpoints (a list)")
+        notices.warn(
+            f"{what} keeps nothing: no x can carry a gradient (dtype {xs[0].dtype.name}: "
+            "integers or booleans), so tf.gradients gives None for every x. Using plain "
+            "tf.gradients (no memory is saved).", notices.NothingKeptWarning)
+        return None
     if isinstance(checkpoints, str):
         strategy = strategies.get(checkpoints)
         unknown = graph_lib.has_unknown_dims(region)

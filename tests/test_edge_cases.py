@@ -120,6 +120,21 @@ def test_an_integer_y_keeps_nothing_and_says_it_carries_no_gradient(g):
     assert got == [None] == tf.compat.v1.gradients(y, [x])
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_integer_xs_keep_nothing_and_say_they_carry_no_gradient(g):
+    """Integer xs (token ids): no gradient flows to them; the warning says so (it said
+    the activations were small)."""
+    ids = tf.compat.v1.placeholder(tf.int32, [64, 512])
+    h = tf.cast(ids, tf.float32)
+    for i in range(6):
+        h = tf.tanh(h @ tf.constant(np.eye(512, dtype=np.float32) * (0.5 + i)))
+    y = tf.reduce_sum(h)
+    with pytest.warns(msg.NothingKeptWarning, match="no x can carry a gradient") as caught:
+        got = msg.gradients(y, [ids], checkpoints="memory")
+    assert "activations are small" not in str(caught[0].message)
+    assert got == [None] == tf.compat.v1.gradients(y, [ids])
+
+
 def test_duplicate_xs(g):
     x = tf.compat.v1.placeholder(tf.float32, [N])
     units = _chain(x, 6)
