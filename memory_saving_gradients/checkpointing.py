@@ -751,6 +751,11 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
     elif checkpoints == "collection":
         why = (f"the collection {strategies.COLLECTION_NAME!r} holds no tensor between "
                "xs and ys (add activations with tf.compat.v1.add_to_collection)")
+        others = [item for item in ys[0].graph.get_collection(strategies.COLLECTION_NAME)
+                  if not isinstance(item, tf.Tensor)]
+        if others:
+            why += (f"; it holds {len(others)} entries that are not tensors, which are "
+                    f"ignored (e.g. {_describe(others[0])})")
     elif checkpoints not in _MODELLED_STRATEGIES:
         what = ("the outputs of convolutions and matrix products and the tensors read by "
                 "several ops" if checkpoints == "speed" else "its tensors")

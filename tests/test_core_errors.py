@@ -293,3 +293,14 @@ def test_named_strategy_functions_and_patch_say_what_they_take(model, unchanged)
     from memory_saving_gradients import patching
 
     assert not patching.is_patched()
+
+
+@pytest.mark.unit
+def test_a_collection_of_non_tensors_says_what_it_holds(model, recwarn):
+    """Strings and variables added to the 'checkpoints' collection are ignored; the
+    warning names them (it said only that the collection held no tensor)."""
+    tf.compat.v1.add_to_collection("checkpoints", "chain_tanh/Tanh_2:0")
+    with pytest.warns(msg.NothingKeptWarning, match="2 entries that are not tensors.*str"):
+        tf.compat.v1.add_to_collection("checkpoints", tf.Variable(1.0))
+        grads = msg.gradients(model.loss, model.inputs, checkpoints="collection")
+    assert grads[0] is not None
