@@ -1371,20 +1371,23 @@ def _check_same_graph(tensors, graph, what: str, ys: Sequence[tf.Tensor] = ()) -
             )
 
 
-def _grad_ys_list(grad_ys, ys: list) -> list:
+def _grad_ys_list(grad_ys, ys: list, names: tuple = ("grad_ys", "ys", "y")) -> list:
     """``grad_ys`` as a list, one per y (None: ones), checked before anything is built:
     each tensor from ys' graph, each with its y's shape, and each tensor of its y's dtype
-    (``tf.gradients`` finds such mistakes only while it builds, leaving ops behind)."""
+    (``tf.gradients`` finds such mistakes only while it builds, leaving ops behind).
+    ``names``: what the caller calls grad_ys, ys and one y (a tape: output_gradients,
+    target, target)."""
     if grad_ys is None:
         return [None] * len(ys)
+    g, y_name, one_y = names
     grad_ys = _as_list(grad_ys)
     if len(grad_ys) != len(ys):
-        raise ValueError(f"Length mismatch. Passed {len(grad_ys)} grad_ys for {len(ys)} ys")
+        raise ValueError(f"Length mismatch. Passed {len(grad_ys)} {g} for {len(ys)} {y_name}")
     for i, (grad_y, y) in enumerate(zip(grad_ys, ys)):
         if grad_y is None or isinstance(grad_y, tf.IndexedSlices):
             continue
         if isinstance(grad_y, tf.Tensor):
-            _check_same_graph([grad_y], y.graph, f"grad_ys[{i}]", ys)
+            _check_same_graph([grad_y], y.graph, f"{g}[{i}]", ys)
             shape, dtype = grad_y.shape, grad_y.dtype
         else:
             try:
@@ -1393,10 +1396,17 @@ def _grad_ys_list(grad_ys, ys: list) -> list:
                 continue  # tf.gradients' own conversion says what is wrong with it
         if not shape.is_compatible_with(y.shape):
             raise ValueError(
-                f"grad_ys[{i}] has shape {shape}, but ys[{i}] {y.name!r} has shape {y.shape}: "
-                "each of grad_ys is the gradient of its y, and has that y's shape")
+                f"{g}[{i}] has shape {shape}, but {y_name}[{i}] {y.name!r} has shape "
+                f"{y.shape}: each of {g} is the gradient of its {one_y}, and has that "
+                f"{one_y}'s shape")
         if dtype is not None and dtype.base_dtype != y.dtype.base_dtype:
             raise TypeError(
-                f"grad_ys[{i}] has dtype {dtype.name}, but ys[{i}] {y.name!r} has dtype "
-                f"{y.dtype.name}: cast it (tf.cast) to its y's dtype")
+                f"{g}[{i}] has dtype {dtype.name}, but {y_name}[{i}] {y.name!r} has dtype "
+                f"{y.dtype.name}: cast it (tf.cast) to its {one_y}'s dtype")
     return grad_ys
+
+
+def check_output_gradients(output_gradients: list, targets: list) -> None:
+    """A tape's ``output_gradients`` checked as :func:`gradients` checks ``grad_ys``, in
+    the tape's own words."""
+    _grad_ys_list(output_gradients, targets, ("output_gradients", "target", "target"))

@@ -44,7 +44,7 @@ from . import graph as graph_lib
 from . import notices, recovery, reporting
 from ._nesting import Nesting
 from ._tensorflow import tf
-from .checkpointing import Checkpoints, building_gradients, check_arguments
+from .checkpointing import Checkpoints, building_gradients, check_arguments, check_output_gradients
 from .checkpointing import gradients as _checkpointed_gradients
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -253,6 +253,11 @@ def checkpointed_gradient(
             None if g is None else tf.convert_to_tensor(g)
             for g in tf.nest.flatten(output_gradients)
         ]
+        try:
+            check_output_gradients(grad_ys, ys)
+        except (TypeError, ValueError) as error:
+            reporting.raised(error, config.record, counted=False)
+            raise
     results = _source_gradients(config, ys, grad_ys, flat_sources, recording, watched,
                                 unconnected_gradients)
     return tf.nest.pack_sequence_as(sources, results)

@@ -653,3 +653,20 @@ def test_a_gradient_to_sources_the_tape_never_saw_says_so(weights, x):
     assert not handle.plans
     said = [str(w.message) for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)]
     assert said and "no source the tape watched or recorded" in said[0], said
+
+
+def test_wrong_output_gradients_are_named_in_the_tapes_words():
+    """A tape's output_gradients of the wrong shape: the error names output_gradients and
+    the target (it named grad_ys and ys, words the tape's user never wrote)."""
+    w = tf.Variable(tf.ones([16, 16]) * 0.1)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(tf.tanh(x @ w) @ w))
+        return tape.gradient(loss, [w], output_gradients=tf.ones([3]))
+
+    with msg.patched("memory"):
+        with pytest.raises(ValueError, match=r"output_gradients\[0\] has shape \(3,\), but "
+                                             r"target\[0\] .* has shape \(\)"):
+            step(tf.ones([8, 16]))
