@@ -588,10 +588,7 @@ def choose_checkpoints(
     _check_option_values(checkpoints, memory_budget, batch_size)
     if not any(graph_lib.carries_gradient(x) for x in xs):
         # no gradient reaches any x: a rewrite would build a backward pass for nothing
-        if isinstance(checkpoints, str):
-            strategies.get(checkpoints)  # a misspelled strategy still raises
-        else:
-            _checkpoint_list(checkpoints)
+        # (the strategy or list was checked by check_arguments, as every caller does first)
         what = (f"checkpoints={checkpoints!r}" if isinstance(checkpoints, str)
                 else "checkpoints (a list)")
         notices.warn(
@@ -1104,9 +1101,8 @@ class _BackwardPass:
                 )
         except LookupError as error:
             raise _naming_original(error, step.segment.ops, copies) from error
-        region, x_keys = self._request.region, self._x_keys
         running = graph_lib.copies_that_run(
-            step.segment.ops, lambda t: t.op in region or t.ref() in x_keys,
+            step.segment.ops, graph_lib.needs_gradient_in(self._request.region, self._x_keys),
             self._schedule.read_kept)
         rewrite.read_kept_outputs(step.segment.ops, copies, running, self._schedule.read_kept,
                                   made_after)

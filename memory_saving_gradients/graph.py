@@ -501,6 +501,11 @@ def gradient_reads_output_of(op: tf.Operation, consumer: tf.Operation,
     return any(t.op is op and t.ref() in read for t in consumer.inputs)
 
 
+def needs_gradient_in(region: "ForwardRegion", xs_refs: Collection) -> NeedsGradient:
+    """Whether a tensor's gradient is wanted: made in the region, or an x (by ``ref()``)."""
+    return lambda t: t.op in region or t.ref() in xs_refs
+
+
 def kept_read_by_gradients(region: "ForwardRegion", kept: Mapping, xs: Sequence[tf.Tensor]) -> frozenset:
     """Refs of the kept tensors that the gradient of a consumer reads (a product's or a
     convolution's input): they are held until that gradient whatever the plan, so the
@@ -508,11 +513,7 @@ def kept_read_by_gradients(region: "ForwardRegion", kept: Mapping, xs: Sequence[
     (:func:`copies_that_run`).  A kept tensor no consumer's gradient reads (a ``Tanh``
     feeding a ``Tanh``) is still recomputed for its own gradient: held instead, it
     would stay live across the next segment's gradients, where its peak lies."""
-    xs_refs = {x.ref() for x in xs}
-
-    def needs_gradient(t):
-        return t.op in region or t.ref() in xs_refs
-
+    needs_gradient = needs_gradient_in(region, {x.ref() for x in xs})
     found = set()
     for ref, t in kept.items():
         if t.op not in region or not gradient_reads(t.op)[1]:
@@ -996,7 +997,9 @@ class Segment:
     segment is a single op whose gradient reads none of its outputs: it is
     then differentiated in place, since its region inputs are kept anyway and
     a copy would only cost time.  (An op whose gradient reads its outputs is
-    recomputed, so that its kept output can be freed early.)
+    recomputed, so that its kept output can be freed early; where a consumer's
+    gradient holds that output anyway, :func:`kept_read_by_gradients`, the copy is
+    built but does not run.)
     """
 
     targets: tuple

@@ -213,8 +213,8 @@ class Plan:
 def _step_ratio(predicted: simulate.Prediction, baseline: simulate.Prediction) -> float:
     """The predicted step time over plain ``tf.gradients``': every kernel each replay
     ran, with the cache term (:func:`simulate.timed_seconds`)."""
-    if predicted is baseline or not baseline.timed_seconds:
-        return 1.0 if predicted is baseline else predicted.step_time_ratio
+    if not (predicted.timed_seconds and baseline.timed_seconds):
+        return predicted.step_time_ratio  # nothing kept: the baseline itself, 1.0
     return predicted.timed_seconds / baseline.timed_seconds
 
 

@@ -569,8 +569,13 @@ def _gradient_seconds(op: tf.Operation, size: Sizer, throughput, traffic_share: 
     """The time model's seconds of ``op``'s gradient (0 for an op without a kernel)."""
     if op.type in _NO_KERNEL_OP_TYPES or op.type in op_types.SHAPE_ONLY_READERS:
         return 0.0
-    forward = size.seconds(op) if traffic_share == 1.0 else op_seconds(op, size, traffic_share)
-    return timing.backward_seconds(forward, timing.kind_of(op.type), throughput)
+    return timing.backward_seconds(_priced_seconds(op, size, traffic_share),
+                                   timing.kind_of(op.type), throughput)
+
+
+def _priced_seconds(op: tf.Operation, size: Sizer, traffic_share: float) -> float:
+    """:meth:`Sizer.seconds` (remembered), or with ``traffic_share`` of its bytes' cost."""
+    return size.seconds(op) if traffic_share == 1.0 else op_seconds(op, size, traffic_share)
 
 
 def timed_seconds(timeline: "_Timeline", size: Sizer, end_step: float,
@@ -590,7 +595,7 @@ def timed_seconds(timeline: "_Timeline", size: Sizer, end_step: float,
         share = timing.traffic_share(cached, uncached, throughput)
         if role == "backward":
             return _gradient_seconds(op, size, throughput, share)
-        return size.seconds(op) if share == 1.0 else op_seconds(op, size, share)
+        return _priced_seconds(op, size, share)
 
     return step_time.step_seconds(traffic, timeline.executed, price)
 
@@ -803,9 +808,7 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
     """
     found = memo.get(op)
     if found is None:
-        def wanted(t):
-            return t.op in region or t.ref() in xs_refs
-
+        wanted = graph_lib.needs_gradient_in(region, xs_refs)
         reads_in, reads_out = graph_lib.gradient_reads(op, wanted)
         arguments = graph_lib.custom_gradient_arguments(op)
         differentiated = op.inputs if arguments is None else arguments
@@ -1089,9 +1092,8 @@ class _Replay:
 
     def _running(self, ops) -> set:
         """:func:`graph.copies_that_run` of a recomputed segment."""
-        region, xs_refs = self.region, self.xs_refs
-        return graph_lib.copies_that_run(ops, lambda t: t.op in region or t.ref() in xs_refs,
-                                         self.read_kept)
+        return graph_lib.copies_that_run(
+            ops, graph_lib.needs_gradient_in(self.region, self.xs_refs), self.read_kept)
 
     def _recompute(self, ops, index, rename, running) -> None:
         """The copies of ``ops`` that run (``running``), in order."""

@@ -330,7 +330,7 @@ def memory_checkpoints(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region:
     size = sizer or simulate.Sizer(unknown_dim)
     xs_refs = {x.ref() for x in xs}
     cuts = cuts_lib.live_cuts(region, size, size.cost, graph_lib.shares_input_buffer,
-                              needs_gradient=lambda t: t.op in region or t.ref() in xs_refs)
+                              needs_gradient=graph_lib.needs_gradient_in(region, xs_refs))
     if not cuts.positions:
         return []
     # With a budget, plans are judged as plan() reports them: the gradients of

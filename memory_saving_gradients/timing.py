@@ -56,9 +56,10 @@ def kind_of(op_type: str) -> str:
     return "other"
 
 
-#: :attr:`Throughput.cached_traffic_share` until calibrated: a 1 MiB ``TanhGrad`` whose
-#: three buffers were all touched within the cache took 0.55x the time of one that read
-#: its forward tensor from memory (2-core AMD EPYC, 32 MiB L3; docs/results.md).
+#: :attr:`Throughput.cached_traffic_share` until calibrated: :func:`calibrate` measured
+#: 0.41-0.56 on a 2-core AMD EPYC with 32 MiB of L3, and a 1 MiB ``TanhGrad`` that found
+#: its three buffers in the cache took 0.55x the time of one that read its forward tensor
+#: from memory (about 0.35); docs/results.md.
 DEFAULT_CACHED_TRAFFIC_SHARE = 0.4
 
 
