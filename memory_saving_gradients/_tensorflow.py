@@ -602,6 +602,11 @@ def _observed_call_flat(call_flat):
     return observed
 
 
+def observes_function_calls() -> bool:
+    """Whether :func:`observe_function_calls` can see runs in this TensorFlow."""
+    return _ATOMIC_FUNCTION is not None
+
+
 def observe_function_calls(observer: typing.Callable) -> typing.Callable[[], None]:
     """Call ``observer(graph)`` with the traced graph (a ``FuncGraph``) of every
     ``tf.function`` that runs eagerly from now on (a call inside another function's

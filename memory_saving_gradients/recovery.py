@@ -66,6 +66,32 @@ def keras_models_with_train_function() -> list:
             if isinstance(value, classes) and getattr(value, "train_function", None) is not None]
 
 
+def keras_models_captured_by(captured_ids: set[int]) -> list | None:
+    """The Keras models with a ``train_function`` one of whose variables' handles has
+    its id in ``captured_ids`` (the eager values traced functions captured as they
+    ran: so their steps ran), or None where TensorFlow's runs are not observed."""
+    if not _tf_internals.observes_function_calls():  # pragma: no cover  (another layout)
+        return None
+    return [model for model in keras_models_with_train_function()
+            if _variable_handle_ids(model) & captured_ids]
+
+
+def _variable_handle_ids(model: object) -> set[int]:
+    """Keras 3 wraps each ``tf.Variable`` as ``.value``; tf_keras' are ``tf.Variable`` s
+    (whose ``value`` is a method)."""
+    ids = set()
+    for variable in getattr(model, "variables", ()):
+        for holder in (getattr(variable, "value", None), variable):
+            try:
+                handle = getattr(holder, "handle", None)
+            except (ValueError, RuntimeError):  # e.g. a distributed variable's, outside its replica
+                handle = None
+            if handle is not None:
+                ids.add(id(handle))
+                break
+    return ids
+
+
 def is_keras_model(value: object) -> bool:
     """Whether ``value`` trains like a Keras model (Keras 3 or tf_keras)."""
     return all(hasattr(type(value), name) for name in ("train_step", "make_train_function", "fit"))

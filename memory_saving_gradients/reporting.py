@@ -55,6 +55,8 @@ class Record:
         planned when they were traced (under an earlier patch), with counts.
       ran_plain: names of the traced functions it ran that compute gradients the
         library never planned (traced before any patch), with counts.
+      ran_plain_captures: ids of the eager values (variable handles among them)
+        those functions captured: which Keras models' steps they were.
     """
 
     def __init__(self, where: str | None = None):
@@ -70,6 +72,7 @@ class Record:
         self.nested: list[Record] = []
         self.ran: collections.Counter = collections.Counter()
         self.ran_plain: collections.Counter = collections.Counter()
+        self.ran_plain_captures: set[int] = set()
         self.raised: collections.Counter = collections.Counter()  # error type -> calls
 
 
@@ -241,6 +244,22 @@ def function_ran(record: Record, graph: tf.Graph) -> None:
         builds = _builds_gradients[graph] = any(_GRADIENT_SCOPE.search(n) for n in names)
     if builds:
         record.ran_plain[name] += 1
+        record.ran_plain_captures.update(id(value) for value in getattr(graph, "external_captures", ()))
+
+
+def _stale_keras_models(record: Record) -> str:
+    """The Keras models whose step, built before the patch, ran in the block (where
+    TensorFlow's runs are not observed: every model with a ``train_function`` it did
+    not plan)."""
+    ran = recovery.keras_models_captured_by(record.ran_plain_captures)
+    candidates = recovery.keras_models_with_train_function() if ran is None else ran
+    names = [getattr(model, "name", "?") for model in candidates
+             if not _planned_train_function(model)]
+    if not names:
+        return ""
+    if ran is None:
+        return f". Keras models whose train_function was built before: {_listed(names)}"
+    return f". The Keras models it trained with a train_function built before: {_listed(names)}"
 
 
 def _listed(names: list) -> str:
@@ -344,10 +363,7 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
             "which retraces. Gradients computed eagerly (outside tf.function, or with "
             "run_eagerly=True) cannot be rewritten either"
         )
-        names = [getattr(m, "name", "?") for m in recovery.keras_models_with_train_function()
-                 if not _planned_train_function(m)]
-        if names:
-            cause += f". Keras models whose train_function was built before: {_listed(names)}"
+        cause += _stale_keras_models(record)
     if record.plain and (record.eager or record.calls):
         reasons = "; ".join(f"{n}x {reason}" for reason, n in record.plain.most_common())
         cause += f". Tape gradients left to TensorFlow: {reasons}"

@@ -583,6 +583,27 @@ def test_a_patch_after_keras_fit_warns_naming_the_model_and_keras_enable_retrace
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("make_model", [_keras3_model, _tf_keras_model])
+def test_a_late_patch_names_only_the_models_it_trained(make_model):
+    """Of the Keras models whose train_function was built before the patch, the warning
+    names those that ran in the block (their variables were captured by a step that
+    ran), not every one alive."""
+    trained = make_model(name="trained_in_block")
+    idle = make_model(name="idle_in_block")
+    _fit(trained)
+    _fit(idle)
+    with pytest.warns(msg.NothingRewrittenWarning, match="built before") as caught:
+        with msg.patched("memory"):
+            _fit(trained)
+    text = str(caught[0].message)
+    assert "'trained_in_block'" in text and "'idle_in_block'" not in text, text
+    with pytest.warns(msg.NothingRewrittenWarning) as caught:
+        with msg.patched("memory"):
+            pass  # nothing ran: no model is named
+    assert "in_block'" not in str(caught[0].message), str(caught[0].message)
+
+
+@pytest.mark.slow
 def test_run_eagerly_warns_naming_run_eagerly():
     model = msg.keras.enable(_keras3_model(name="eager_model", run_eagerly=True))
     with pytest.warns(msg.EagerExecutionWarning, match="run_eagerly") as caught:
