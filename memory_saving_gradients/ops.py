@@ -48,6 +48,16 @@ SAME_ELEMENTS = frozenset({"Reshape", "Squeeze", "ExpandDims"})
 #: Transposes: one by the identity permutation shares its input's buffer
 #: (:func:`.graph.is_identity_transpose`).
 TRANSPOSES = frozenset({"Transpose"})
+#: What grappler calls cast-like: ops that change the element type and keep the element
+#: count.  Its arithmetic optimizer moves a widening one past an ``Identity`` that reads
+#: it (``Identity(Cast(x))`` becomes ``Cast(Identity(x))``), so that the identity then
+#: holds ``x`` (:func:`.rewrite.proxies` keeps its proxies of them as built).
+CAST_LIKE = frozenset({
+    "Angle", "Bucketize", "Cast", "Dequantize", "HistogramFixedWidth", "Imag", "IsFinite",
+    "IsInf", "IsNan", "QuantizeDownAndShrinkRange", "QuantizeV2",
+    "QuantizedInstanceNorm", "QuantizedRelu", "QuantizedRelu6", "QuantizedReluX", "Real",
+    "Requantize",
+})
 #: Reads of a resource variable's value.
 VARIABLE_READS = frozenset({"ReadVariableOp"})
 #: Ops that touch a resource variable sparsely, which switches it to copy-on-read for

@@ -88,10 +88,13 @@ def copy_ops(
             )
             _tf_internals.set_op_device(new_op, op.device)
             deps = [copied_ops.get(c, c) for c in op.control_inputs]
-            if not any(t.op in copied_ops or t.ref() in replacements for t in op.inputs):
+            if not any(t.op in copied_ops or t.ref() in replacements for t in op.inputs) or (
+                    _cast_widening(op) < 0 and op.inputs[0].ref() in replacements):
                 # Only copies that read neither another copy nor a replacement
                 # wait for control_inputs; the rest wait through their data,
-                # and grappler may still optimize them (see proxies()).
+                # and grappler may still optimize them (see proxies()). A narrowing
+                # cast of a replacement waits too: grappler moves it before the
+                # replacement's identity, where it would run in the forward pass.
                 deps.extend(control_inputs)
             if deps:
                 _tf_internals.add_control_inputs(new_op, _unique_ops(deps))
@@ -457,6 +460,10 @@ def proxies(
                 made[t.ref()] = tf.math.add(t, zeros[dtype], name="proxy")
             else:
                 made[t.ref()] = tf.identity(t)
+                if _cast_widening(t.op) > 0:
+                    # else grappler moves the cast past the identity, which then holds
+                    # the cast's narrower input instead of the planned tensor
+                    _tf_internals.preserve_from_grappler(made[t.ref()].op)
     waits = _unique_ops(control_inputs)
     if waits:
         for proxy in made.values():
@@ -464,6 +471,14 @@ def proxies(
             # (originals) with an attribute, changing their NodeDefs
             _tf_internals.add_control_inputs(proxy.op, waits)
     return made
+
+
+def _cast_widening(op: tf.Operation) -> int:
+    """How many bytes a cast-like ``op`` (:data:`.ops.CAST_LIKE`) adds to each element:
+    positive where it widens, negative where it narrows; 0 for any other op."""
+    if op.type not in op_types.CAST_LIKE or not op.inputs or not op.outputs:
+        return 0
+    return op.outputs[0].dtype.base_dtype.size - op.inputs[0].dtype.base_dtype.size
 
 
 def _unfoldable_false(gradients: Sequence) -> tf.Tensor | None:
