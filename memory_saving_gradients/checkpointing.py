@@ -1376,12 +1376,16 @@ def _grad_ys_list(grad_ys, ys: list, names: tuple = ("grad_ys", "ys", "y")) -> l
     if grad_ys is None:
         return [None] * len(ys)
     g, y_name, one_y = names
-    grad_ys = _as_list(grad_ys)
+    grad_ys = list(_as_list(grad_ys))
     if len(grad_ys) != len(ys):
         raise ValueError(f"Length mismatch. Passed {len(grad_ys)} {g} for {len(ys)} {y_name}")
     for i, (grad_y, y) in enumerate(zip(grad_ys, ys)):
         if grad_y is None or isinstance(grad_y, tf.IndexedSlices):
             continue
+        if (isinstance(grad_y, tf.Tensor) and getattr(grad_y, "graph", None) is None
+                and hasattr(y.graph, "capture")):
+            with y.graph.as_default():  # an eager tensor: captured, as tf.gradients does
+                grad_y = grad_ys[i] = tf.convert_to_tensor(grad_y)
         if isinstance(grad_y, tf.Tensor):
             _check_same_graph([grad_y], y.graph, f"{g}[{i}]", ys)
             shape, dtype = grad_y.shape, grad_y.dtype

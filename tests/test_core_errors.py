@@ -5,6 +5,7 @@ was wrong and what to do, and the graph is left exactly as it was.
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -166,6 +167,33 @@ def test_eager_tensor_as_a_checkpoint_inside_a_function():
 
     with pytest.raises(ValueError, match="checkpoints: an eager tensor .* outside the graph"):
         step(tf.ones([8]))
+
+
+@pytest.mark.unit
+def test_eager_grad_ys_inside_a_function_is_captured_as_tf_gradients_does():
+    """A loss scale made eagerly, passed as grad_ys inside a tf.function: tf.gradients
+    captures it, and so do gradients() and the patched tf.gradients (both raised)."""
+    scale = tf.constant(0.5)
+    weights = tf.Variable(tf.eye(8) * 0.9)
+
+    @tf.function
+    def step(x):
+        h = x
+        for _ in range(4):
+            h = tf.tanh(h @ weights)
+        loss = tf.reduce_sum(h * h)
+        plain = tf.gradients(loss, weights, grad_ys=scale)
+        ours = msg.gradients(loss, weights, grad_ys=scale, checkpoints="memory")
+        with msg.patched("memory"):
+            patched = tf.gradients(loss, weights, grad_ys=scale)
+        return plain, ours, patched
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", msg.MemorySavingGradientsWarning)  # a small graph
+        plain, ours, patched = step(tf.ones([4, 8]))
+    assert float(tf.reduce_max(tf.abs(plain[0]))) > 0
+    np.testing.assert_allclose(ours[0].numpy(), plain[0].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(patched[0].numpy(), plain[0].numpy(), rtol=1e-6)
 
 
 @pytest.mark.unit
