@@ -528,7 +528,7 @@ def _prepare(ys, xs, stop_gradients=None) -> _Problem:
     """Checked ys, xs and ``stop_gradients`` (as graph tensors) and the forward region
     between xs and ys: the ops a gradient passes through, not those it reaches only
     through a stop."""
-    ys_list = _tensor_list(ys, "ys")
+    ys_list = _tensor_list(_numbers_as_constants(_as_list(ys)), "ys")
     graph = ys_list[0].graph
     with graph.as_default():
         xs_tensors = _x_tensors(_as_list(xs), graph)
@@ -1260,6 +1260,19 @@ def _as_list(value) -> list:
     if isinstance(value, (list, tuple)):
         return list(value)
     return [value]
+
+
+def _numbers_as_constants(ys: list) -> list:
+    """``ys`` with each Python or NumPy number made a constant of the first tensor's
+    graph, as ``tf.gradients`` converts one (it adds nothing to the gradients)."""
+    graph = next((y.graph for y in ys if isinstance(y, tf.Tensor)
+                  and getattr(y, "graph", None) is not None), None)
+    if graph is None:
+        return ys
+    numbers = (int, float, np.number, np.ndarray)
+    with graph.as_default():
+        return [tf.constant(y) if isinstance(y, numbers) and not isinstance(y, bool) else y
+                for y in ys]
 
 
 def _tensor_list(value, what: str) -> list:

@@ -197,6 +197,27 @@ def test_eager_grad_ys_inside_a_function_is_captured_as_tf_gradients_does():
 
 
 @pytest.mark.unit
+def test_a_number_among_ys_is_a_constant_as_in_tf_gradients():
+    """``tf.gradients([loss, 1.0], xs)`` converts the number (it adds nothing); so do
+    gradients() and the patched name, which raised a TypeError."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.constant(np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8))
+        h = x
+        for _ in range(6):
+            h = tf.tanh(h * 1.1)
+        loss = tf.reduce_sum(h)
+        plain = tf.compat.v1.gradients([loss, 1.0], [x])
+        ours = msg.gradients([loss, np.float32(1.0)], [x], checkpoints="memory")
+        with msg.patched("memory"):
+            patched = tf.compat.v1.gradients([loss, 1.0], [x])
+        with tf.compat.v1.Session() as sess:
+            plain, ours, patched = sess.run((plain, ours, patched))
+    np.testing.assert_allclose(ours[0], plain[0], rtol=1e-6)
+    np.testing.assert_allclose(patched[0], plain[0], rtol=1e-6)
+
+
+@pytest.mark.unit
 def test_xs_from_another_graph(model, unchanged):
     other = tf.Graph()
     with other.as_default():
