@@ -426,7 +426,9 @@ def _check_option_values(checkpoints, memory_budget, batch_size) -> None:
             memory_budget > 0
         ):
             raise ValueError(
-                f"memory_budget must be a positive number of bytes; got {memory_budget!r}."
+                f"memory_budget must be a positive number of bytes; got {memory_budget!r} "
+                "(e.g. memory_budget=20 * 2**20 for 20 MiB, which the library's figures "
+                "call 20 MB)."
             )
 
 
@@ -1341,6 +1343,11 @@ def _checkpoint_list(checkpoints) -> list:
         if not isinstance(t, tf.Tensor):
             hint = (" A variable is no activation: checkpoint a tensor computed from it "
                     "(e.g. a layer's output)." if _is_resource_variable(t) else "")
+            if "KerasTensor" in type(t).__name__:
+                hint = (" A Keras functional model's symbolic tensor (layer.output, "
+                        "model.output) is not a tensor of the step: collect the layers' "
+                        "outputs while the step runs the model, or pass a strategy such "
+                        "as 'memory'.")
             raise TypeError(
                 f"every checkpoint must be a tf.Tensor of the graph; got {_describe(t)}.{hint}"
             )

@@ -65,6 +65,15 @@ def test_non_tensor_in_checkpoint_list(model, unchanged, bad):
 
 
 @pytest.mark.unit
+def test_a_keras_symbolic_tensor_as_a_checkpoint_says_what_to_pass(model, unchanged):
+    keras = pytest.importorskip("keras")
+    with tf.Graph().as_default():  # the layer's variables stay out of the model's graph
+        symbolic = keras.layers.Dense(4)(keras.Input((8,)))
+    call_fails(TypeError, ["KerasTensor", "symbolic tensor", "strategy"],
+               model.loss, model.inputs, checkpoints=[model.units[1], symbolic])
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", [3, 2.5, object()])
 def test_number_or_object_as_checkpoints(model, unchanged, bad):
     call_fails(TypeError, ["checkpoints", "strategy|list"], model.loss, model.inputs, checkpoints=bad)
