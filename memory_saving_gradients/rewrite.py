@@ -64,8 +64,9 @@ def copy_ops(
     ``replacements`` (keyed by ``tensor.ref()``), or the original tensor.
     Control inputs between copied ops are mapped to the copies, others are
     kept; every copy that reads neither another copy nor a replacement also
-    gets ``control_inputs`` (the others wait for them through their data).  Device, colocation, attrs
-    and static shapes of the originals are kept.
+    gets ``control_inputs`` (the others wait for them through their data), and so
+    does a narrowing cast-like copy of a replacement (see :func:`proxies`).  Device,
+    colocation, attrs and static shapes of the originals are kept.
     """
     if not ops:
         return {}
@@ -445,6 +446,13 @@ def proxies(
     that gradient nor be merged with the forward pass.  Other dtypes keep a
     plain identity.  Without ``data_after`` every proxy is a plain identity, ordered by
     its control inputs only.
+
+    Grappler's arithmetic optimizer reorders a cast-like op and an identity so that
+    the identity moves the narrower tensor: an identity of a widening cast would then
+    hold the cast's input, and a narrowing cast of an identity would run before it,
+    without its waits.  So the identity of a widening cast is kept from grappler
+    (``_grappler_do_not_remove``), and :func:`copy_ops` gives a narrowing copy of a
+    proxy the proxy's waits.
     """
     if not tensors:
         return {}
