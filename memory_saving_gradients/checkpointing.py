@@ -134,7 +134,9 @@ def _gradients(
     aggregation_method, stop_gradients, unconnected_gradients, memory_budget, batch_size,
 ) -> list:
     """:func:`gradients` once it is known to run on a graph."""
-    check_arguments(checkpoints, dict(memory_budget=memory_budget, batch_size=batch_size))
+    check_arguments(checkpoints, dict(memory_budget=memory_budget, batch_size=batch_size,
+                                      aggregation_method=aggregation_method,
+                                      unconnected_gradients=unconnected_gradients))
     options = dict(
         name=name,
         colocate_gradients_with_ops=colocate_gradients_with_ops,
@@ -144,6 +146,11 @@ def _gradients(
         unconnected_gradients=unconnected_gradients,
     )
     unconnected = tf.UnconnectedGradients(unconnected_gradients)
+    if not _as_list(xs) or not _as_list(ys):
+        # nothing to differentiate: tf.gradients' own answer ([] for no xs; for no ys, a
+        # None, or zeros, per x), as generic code (a model with no weights) expects
+        reporting.called_plain("no xs or no ys: nothing to differentiate")
+        return tf_gradients(ys, xs, grad_ys, **options)
     with _inside_gradients:
         problem = _prepare(ys, xs, stop_gradients)
         outer = _outer_differentiator(problem)
@@ -157,7 +164,7 @@ def _gradients(
             grad_ys_list = _grad_ys_list(grad_ys, problem.ys)
             chosen = choose_checkpoints(
                 checkpoints, problem.ys, problem.xs, problem.region, problem.graph,
-                memory_budget, batch_size,
+                memory_budget, batch_size, stops,
             )
             reporting.planned(problem.graph)
             if chosen is None:
@@ -248,7 +255,7 @@ def plan(
     with problem.graph.as_default():
         chosen = choose_checkpoints(
             checkpoints, problem.ys, problem.xs, problem.region, problem.graph,
-            memory_budget, batch_size,
+            memory_budget, batch_size, stops,
         )
     return _plan_of(checkpoints, problem, chosen or [], memory_budget, batch_size, stops)
 
@@ -402,6 +409,33 @@ def check_arguments(checkpoints: Checkpoints, options: dict, passed_by_caller: S
     else:
         _checkpoint_list(checkpoints)
     _check_option_values(checkpoints, options.get("memory_budget"), options.get("batch_size"))
+    _check_gradient_options(options)
+
+
+#: ``aggregation_method`` values ``tf.gradients`` accepts (``tf.AggregationMethod``).
+_AGGREGATION_METHODS = {
+    tf.AggregationMethod.ADD_N: "tf.AggregationMethod.ADD_N (the default)",
+    tf.AggregationMethod.EXPERIMENTAL_TREE: "tf.AggregationMethod.EXPERIMENTAL_TREE",
+    tf.AggregationMethod.EXPERIMENTAL_ACCUMULATE_N: "tf.AggregationMethod.EXPERIMENTAL_ACCUMULATE_N",
+}
+
+
+def _check_gradient_options(options: dict) -> None:
+    """Raise what ``tf.gradients`` would for ``aggregation_method`` and
+    ``unconnected_gradients``, before anything is built (TensorFlow raises midway)."""
+    method = options.get("aggregation_method")
+    if method is not None and (isinstance(method, bool) or method not in _AGGREGATION_METHODS):
+        raise ValueError(
+            f"aggregation_method must be None or one of {list(_AGGREGATION_METHODS.values())} "
+            f"({sorted(_AGGREGATION_METHODS)}); got {method!r}.")
+    unconnected = options.get("unconnected_gradients")
+    if unconnected is not None:
+        try:
+            tf.UnconnectedGradients(unconnected)
+        except ValueError:
+            raise ValueError(
+                "unconnected_gradients must be tf.UnconnectedGradients.NONE or .ZERO (or "
+                f"'none' / 'zero'); got {unconnected!r}.") from None
 
 
 def _option_names(passed_by_caller) -> list:
@@ -443,7 +477,7 @@ def _warn_if_list_raises_the_peak(made_plan) -> None:
     in_step = made_plan.in_step_ratio or made_plan.predicted_ratio
     if made_plan.strategy == "list" and in_step > 1 + strategies.LEAST_PEAK_TOLERANCE:
         logger.warning(
-            "memory_saving_gradients: the %d checkpoints given are predicted to raise the "
+            "the %d checkpoints given are predicted to raise the "
             "peak above plain tf.gradients': %.2fx (%.2fx in a step that applies each "
             "gradient as it is made), as what they hold outweighs what they let go; "
             "checkpoints='memory' searches for a plan that saves.",
@@ -496,7 +530,7 @@ def _say_outer_differentiator(problem, outer: str) -> None:
         return
     _warned_outer.add(problem.graph)
     logger.warning(
-        "memory_saving_gradients: %s differentiates this gradient computation (a "
+        "%s differentiates this gradient computation (a "
         "Hessian-vector product, a gradient penalty's inner gradient): it cannot see the "
         "recomputed ops, so plain tf.gradients is used for this one (no memory saved for "
         "it). Under patched(), outer tf.GradientTapes are the library's and see them.",
@@ -579,13 +613,15 @@ def choose_checkpoints(
     graph: tf.Graph,
     memory_budget: float | None = None,
     batch_size: int | None = None,
+    stops: Sequence[tf.Tensor] = (),
 ) -> list[tf.Tensor] | None:
     """Checked, usable checkpoint tensors, or None to fall back to ``tf.gradients``.
 
     Drops xs, ys and tensors not between them.  An explicit list that keeps
     nothing is an error; a strategy (or the collection) that finds nothing
     warns (``NothingKeptWarning``) why and falls back.  Strategies plan once per
-    graph structure (:mod:`.memo`).
+    graph structure (:mod:`.memo`).  ``stops``: the ``stop_gradients`` the region
+    was cut at (messages name them only where there are some).
     """
     _check_option_values(checkpoints, memory_budget, batch_size)
     if not any(graph_lib.carries_gradient(x) for x in xs):
@@ -623,7 +659,7 @@ def choose_checkpoints(
             usable = usable_checkpoints(found, ys, xs, region)
             if not usable:
                 _warn_nothing_kept(checkpoints, ys, xs, region, options["unknown_dim"], unknown,
-                                   memory_budget, stated)
+                                   memory_budget, stated, bool(stops))
             elif checkpoints in _RULE_STRATEGIES:
                 usable = _unless_nothing_saved(checkpoints, usable, ys, xs, region,
                                                options["unknown_dim"], unknown)
@@ -645,11 +681,11 @@ def choose_checkpoints(
         )
     outer = [t for t in given if not graph_lib.in_function_body_of(t, graph)]
     _check_same_graph(outer, graph, "checkpoints", ys)
-    if not region.ops:  # no op between xs and ys: plain tf.gradients, as a strategy would
+    no_path = _no_gradient_path(ys, region, bool(stops))
+    if no_path:  # no op between xs and ys: plain tf.gradients, as a strategy would
         notices.warn(
-            f"checkpoints (a list of {len(given)}) keeps nothing: ys do not depend on xs "
-            "through any op (that stop_gradients leaves). Using plain tf.gradients (no "
-            "memory is saved).",
+            f"checkpoints (a list of {len(given)}) keeps nothing: {no_path}. Using plain "
+            "tf.gradients (no memory is saved).",
             notices.NothingKeptWarning)
         return None
     usable = usable_checkpoints(outer, ys, xs, region)
@@ -674,9 +710,9 @@ def choose_checkpoints(
     aside = [t.name for t in outer if t.ref() not in kept and t.ref() not in ends]
     if aside:  # xs and ys in the list are dropped as documented; these are not on the way
         logger.warning(
-            "Ignoring %d of the %d checkpoints: not on a path from xs to ys (that "
-            "stop_gradients leaves), so nothing there is recomputed: %s.",
-            len(aside), len(given), aside[:5])
+            "Ignoring %d of the %d checkpoints: not on a path from xs to ys%s, so nothing "
+            "there is recomputed: %s.",
+            len(aside), len(given), " that stop_gradients leaves" if stops else "", aside[:5])
     return usable
 
 
@@ -736,17 +772,27 @@ def budget_batch(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: graph
 _MODELLED_STRATEGIES = ("memory", "balanced")
 
 
+def _no_gradient_path(ys, region, stopped: bool) -> str:
+    """Why no gradient can flow from ys to xs, or "" where one can (``stopped``: the
+    region was cut at ``stop_gradients``)."""
+    if not any(graph_lib.carries_gradient(y) for y in ys):
+        return (f"no y can carry a gradient (dtype {ys[0].dtype.name}: an argmax, a cast to "
+                "integers), so tf.gradients gives None for every x too")
+    if not region.ops:
+        return ("ys do not depend on xs through any op"
+                + (" that stop_gradients leaves" if stopped else ""))
+    return ""
+
+
 def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
-                       memory_budget=None, stated=False) -> None:
+                       memory_budget=None, stated=False, stopped=False) -> None:
     """One warning that says why a strategy keeps nothing (``stated``: the caller passed
-    ``batch_size=``)."""
+    ``batch_size=``; ``stopped``: ``stop_gradients`` cut the region)."""
     plain_fits = memory_budget is not None and simulate.predict_baseline(
         region, ys, xs, unknown_dim, fetched=True).peak_bytes <= memory_budget
-    if not any(graph_lib.carries_gradient(y) for y in ys):
-        why = (f"no y can carry a gradient (dtype {ys[0].dtype.name}: an argmax, a cast to "
-               "integers), so tf.gradients gives None for every x too")
-    elif not region.ops:
-        why = "ys do not depend on xs through any op"
+    no_path = _no_gradient_path(ys, region, stopped)
+    if no_path:
+        why = no_path
     elif checkpoints == "collection":
         why = (f"the collection {strategies.COLLECTION_NAME!r} holds no tensor between "
                "xs and ys (add activations with tf.compat.v1.add_to_collection)")
@@ -852,6 +898,14 @@ def _why_nothing_helps(region) -> str:
             f"{count} of them are loops, conditionals or function calls ({', '.join(whole)}), "
             "which are kept whole, never split: what they hold for the backward pass "
             "stays as in plain tf.gradients"
+        )
+    custom = sum(1 for op in region.order if graph_lib.custom_gradient_arguments(op) is not None)
+    if custom:
+        return (
+            f"{custom} of them are tf.custom_gradient functions (Keras' quantized layers, "
+            "silu), whose gradients read their arguments as the forward pass made them: "
+            "those stay alive whatever the plan, and the activations left to recompute "
+            "are small next to what the backward pass must hold anyway"
         )
     return "its activations are small next to what the backward pass must hold anyway"
 

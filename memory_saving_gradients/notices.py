@@ -1,18 +1,40 @@
 """Warning categories of the library's user-facing notices.
 
-Layer: foundation; imports nothing.
+Layer: foundation; imports nothing of the library.
 
 Notices that tell a user the library saved no memory where it was asked to
 go through :func:`warnings.warn` with one of these categories, so that they
 can be filtered (``warnings.filterwarnings('ignore', category=...)``) and
 tested (``pytest.warns``).  Diagnostics stay on the ``logging`` logger
-``"memory_saving_gradients"``.
+``"memory_saving_gradients"`` (:data:`logger`), whose WARNING lines begin with the
+library's name.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import warnings
+
+#: What the library's WARNING (and ERROR) log lines begin with: Python's last-resort
+#: handler prints a record without any configuration, and then without the logger's name.
+LOG_PREFIX = "memory_saving_gradients: "
+
+
+class _NamedWarnings(logging.Filter):
+    """Begins the message of each WARNING-or-above record with :data:`LOG_PREFIX`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (record.levelno >= logging.WARNING and isinstance(record.msg, str)
+                and not record.msg.startswith(LOG_PREFIX)):
+            record.msg = LOG_PREFIX + record.msg
+        return True
+
+
+#: The library's logger (every module logs to this one name).
+logger = logging.getLogger("memory_saving_gradients")
+if not any(isinstance(f, _NamedWarnings) for f in logger.filters):
+    logger.addFilter(_NamedWarnings())
 
 
 class MemorySavingGradientsWarning(UserWarning):

@@ -221,7 +221,7 @@ def checkpointed_gradient(
     flat_sources = [_in_graph(s, recording) for s in flat_sources]
     why_not = _why_not_rewritable(flat_targets + flat_sources, recording.graph)
     if why_not is not None:
-        logger.warning("memory_saving_gradients: %s; using tf.GradientTape's own gradient "
+        logger.warning("%s; using tf.GradientTape's own gradient "
                        "(no memory saved).", why_not)
         reporting.left_plain(config.record, why_not, tf.compat.v1.get_default_graph())
         return plain()

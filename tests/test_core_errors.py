@@ -126,13 +126,20 @@ def test_empty_checkpoint_list(model, unchanged):
 
 
 @pytest.mark.unit
-def test_empty_xs(model, unchanged):
-    call_fails(ValueError, ["xs", "empty"], model.loss, [], checkpoints=[model.units[2]])
-
-
-@pytest.mark.unit
-def test_empty_ys(model, unchanged):
-    call_fails(ValueError, ["ys", "empty"], [], model.inputs, checkpoints=[model.units[2]])
+@pytest.mark.parametrize("checkpoints", ["list", "memory"])
+def test_no_xs_or_no_ys_get_tf_gradients_answer(model, checkpoints):
+    """No xs or no ys is tf.gradients' own answer ([]; a None, or zeros, per x), through
+    gradients() and the patched tf.gradients, as generic code (a model without weights)
+    expects; it raised ValueError."""
+    chosen = [model.units[2]] if checkpoints == "list" else checkpoints
+    assert msg.gradients(model.loss, [], checkpoints=chosen) == []
+    assert msg.gradients([], model.inputs, checkpoints=chosen) == [None] * len(model.inputs)
+    zeros = msg.gradients([], model.inputs, checkpoints=chosen, unconnected_gradients="zero")
+    assert [z.shape.as_list() for z in zeros] == [x.shape.as_list() for x in model.inputs]
+    with pytest.warns(msg.NothingRewrittenWarning, match="nothing to differentiate"), \
+            msg.patched("memory"):
+        assert tf.gradients(model.loss, []) == []
+        assert tf.compat.v1.gradients([], model.inputs) == [None] * len(model.inputs)
 
 
 @pytest.mark.unit
@@ -279,10 +286,25 @@ def test_grad_ys_that_do_not_fit_their_y(model, bad_grad_ys, unchanged, kind, er
 
 
 @pytest.mark.unit
-def test_unknown_unconnected_gradients_value(model, unchanged):
-    with pytest.raises(ValueError):
-        msg.gradients(model.loss, model.inputs, checkpoints=[model.units[2]],
-                      unconnected_gradients="sometimes")
+@pytest.mark.parametrize("checkpoints", ["list", "memory"])
+@pytest.mark.parametrize("option, value, words", [
+    ("unconnected_gradients", "sometimes", ["unconnected_gradients", "ZERO", "sometimes"]),
+    ("aggregation_method", 7, ["aggregation_method", "ADD_N", "EXPERIMENTAL_TREE", "got 7"]),
+    ("aggregation_method", "tree", ["aggregation_method", "got 'tree'"]),
+])
+def test_a_bad_gradient_option_raises_before_anything_is_built(model, unchanged, checkpoints,
+                                                               option, value, words):
+    """tf.gradients' own check of aggregation_method comes midway, after the rewrite had
+    built 9-24 ops; and GradientTape, which takes it as an option, checks it when made (it
+    took aggregation_method=7 and raised only in gradient())."""
+    chosen = [model.units[2]] if checkpoints == "list" else checkpoints
+    call_fails(ValueError, words, model.loss, model.inputs, checkpoints=chosen,
+               **{option: value})
+    if option == "aggregation_method":  # a tape's option (the other is gradient()'s argument)
+        with pytest.raises(ValueError, match=option):
+            msg.GradientTape(checkpoints="memory", aggregation_method=value)
+        for good in (None, tf.AggregationMethod.EXPERIMENTAL_TREE):
+            msg.GradientTape(checkpoints="memory", aggregation_method=good)
 
 
 @pytest.mark.unit
@@ -331,7 +353,9 @@ def test_a_listed_checkpoint_off_the_path_is_named(model, caplog):
     with caplog.at_level("WARNING", logger="memory_saving_gradients"):
         grads = msg.gradients(model.loss, model.inputs, checkpoints=[model.units[2], side])
     said = [r.getMessage() for r in caplog.records if "side_branch" in r.getMessage()]
-    assert said and "Ignoring 1 of the 2 checkpoints" in said[0], said
+    assert said and said[0].startswith("memory_saving_gradients: Ignoring 1 of the 2 "
+                                       "checkpoints"), said
+    assert "stop_gradients" not in said[0], said  # none was passed
     with caplog.at_level("WARNING", logger="memory_saving_gradients"):
         caplog.clear()
         msg.gradients(model.loss, model.inputs, checkpoints=[model.units[2], model.loss])
@@ -362,3 +386,18 @@ def test_a_collection_of_non_tensors_says_what_it_holds(model, recwarn):
         tf.compat.v1.add_to_collection("checkpoints", tf.Variable(1.0))
         grads = msg.gradients(model.loss, model.inputs, checkpoints="collection")
     assert grads[0] is not None
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("checkpoints", ["list", "memory"])
+def test_an_integer_y_is_named_as_the_reason_nothing_is_kept(model, checkpoints):
+    """A y cast to integers: a list said "ys do not depend on xs through any op (that
+    stop_gradients leaves)" with no stop_gradients passed; 'memory' named the dtype."""
+    chosen = [model.units[2]] if checkpoints == "list" else checkpoints
+    y = tf.cast(model.loss, tf.int32)
+    with pytest.warns(msg.NothingKeptWarning) as caught:
+        grads = msg.gradients(y, model.inputs, checkpoints=chosen)
+    assert grads == tf.compat.v1.gradients(y, model.inputs) == [None] * len(model.inputs)
+    said = " ".join(str(w.message) for w in caught)
+    assert "no y can carry a gradient (dtype int32" in said, said
+    assert "stop_gradients" not in said, said
