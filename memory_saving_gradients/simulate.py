@@ -105,6 +105,15 @@ _PRODUCTS = {"MatMul": ("transpose_a", "transpose_b"),
              "BatchMatMul": ("adj_x", "adj_y"), "BatchMatMulV2": ("adj_x", "adj_y"),
              "BatchMatMulV3": ("adj_x", "adj_y")}
 
+#: Ops whose output has as many rows as their input has true (nonzero) elements, or
+#: distinct ones, known only when they run: at most the input's element count (the rows
+#: before the first dimension of a dynamic partition's data not in its partitions).
+_DATA_BOUNDED = frozenset({"Where", "Unique", "UniqueWithCounts", "DynamicPartition"})
+
+#: Gathers: the params' dimensions around the indices' (a boolean mask gathers the rows
+#: a ``Where`` found).
+_GATHERS = frozenset({"Gather", "GatherV2", "GatherNd"})
+
 #: How many producers back :class:`Sizer` follows an unknown dimension (through ops
 #: that keep it, or keep the element count) before counting it as ``unknown_dim``:
 #: bounds the recursion along long chains of unknown shapes.
@@ -186,6 +195,14 @@ class Sizer:
             sliced = self._slice_shape(op, dims, depth)
             if sliced is not None:
                 return sliced
+        if op.type in _DATA_BOUNDED and inputs and not deep:
+            bounded = self._data_bounded_shape(op, dims, depth)
+            if bounded is not None:
+                return bounded
+        if op.type in _GATHERS and len(inputs) >= 2 and not deep:
+            gathered = self._gathered_shape(op, dims, depth)
+            if gathered is not None:
+                return gathered
         if op.type in _SAME_ELEMENTS_OP_TYPES and inputs and not deep:
             source = self.shape(inputs[0], depth + 1)
             if source is not None:
@@ -214,15 +231,60 @@ class Sizer:
     def _slice_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
         """A slice's unknown dimensions as its input's: a slice never makes a dimension
         larger, and where its bounds are computed at run time (a random crop's offsets)
-        the input's size is the bound to plan for.  None where the slice adds or drops
-        dimensions."""
-        if op.type == "StridedSlice" and (op.get_attr("new_axis_mask")
-                                          or op.get_attr("shrink_axis_mask")):
-            return None
+        the input's size is the bound to plan for.  A dimension it drops
+        (``x[:, 0]``) is left out; None where it adds dimensions, or drops some after an
+        ellipsis."""
+        shrink = 0
+        if op.type == "StridedSlice":
+            shrink = op.get_attr("shrink_axis_mask")
+            if op.get_attr("new_axis_mask") or (shrink and op.get_attr("ellipsis_mask")):
+                return None
         source = self.shape(op.inputs[0], depth + 1)
-        if source is None or len(source) != len(dims):
+        if source is None:
+            return None
+        source = [d for i, d in enumerate(source) if not shrink >> i & 1]
+        if len(source) != len(dims):
             return None
         return [source[i] if d is None else d for i, d in enumerate(dims)]
+
+    def _data_bounded_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
+        """The leading dimension of an output whose rows depend on the values (a
+        ``Where``'s true elements, a ``Unique``'s distinct ones, a partition's share) as
+        the most there can be: its input's elements (for a partition, its data's rows).
+        Counting it as the batch got a boolean mask of 1024 rows as 32. None where the
+        input's shape is unknown or the output's other dimensions are too."""
+        source = self.shape(op.inputs[0], depth + 1)
+        if source is None or not dims or None in dims[1:]:
+            return None
+        if op.type == "DynamicPartition":
+            outer = op.inputs[1].shape.rank
+            if outer is None:
+                return None
+            source = source[:outer]
+        return [max(1, int(np.prod(source, dtype=np.float64)))] + dims[1:]
+
+    def _gathered_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
+        """A gather's dimensions: the params' before and after the gathered axis around
+        the indices' (``GatherNd``: the indices' but the last, then the params' it does
+        not index). None where an axis or a rank is not known when the graph is built."""
+        params, indices = (self.shape(t, depth + 1) for t in op.inputs[:2])
+        if params is None or indices is None or not indices:
+            return None
+        if op.type == "GatherNd":
+            indexed = op.inputs[1].shape.as_list()[-1]
+            if indexed is None:
+                return None
+            shape = indices[:-1] + params[indexed:]
+        else:
+            axis = 0 if op.type == "Gather" else tf.get_static_value(op.inputs[2])
+            batch_dims = op.get_attr("batch_dims") if op.type == "GatherV2" else 0
+            if axis is None or np.ndim(axis) != 0:
+                return None
+            axis = int(axis) + (len(params) if int(axis) < 0 else 0)
+            shape = params[:axis] + indices[batch_dims:] + params[axis + 1:]
+        if len(shape) != len(dims):
+            return None
+        return [estimate if d is None else d for estimate, d in zip(shape, dims)]
 
     def _product_shape(self, op: tf.Operation, inputs: list, dims: list,
                        depth: int) -> list | None:

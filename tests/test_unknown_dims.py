@@ -484,3 +484,58 @@ def test_peak_at_gives_the_in_step_peak_at_any_batch(graph):
     for batch in (8, 64, 4096):
         assert plan.peak_at(batch, in_step=True) <= plan.peak_at(batch)
         assert plan.peak_at(batch, plain=True, in_step=True) <= plan.peak_at(batch, plain=True)
+
+
+@pytest.mark.unit
+def test_rows_known_only_at_run_time_are_planned_at_their_bound():
+    """A boolean mask's rows, a ``Where``'s, a ``Unique``'s, a partition's and what a
+    gather takes with them are known only when the step runs. Counted as the planning
+    batch (32), a mask over 1024 known rows was planned at 32 of them (a helper's trial:
+    plain 4.88 MB predicted against 7.51 measured). At most they are the input's
+    elements, and so they are planned."""
+    from memory_saving_gradients import simulate
+
+    with tf.Graph().as_default():
+        h = tf.ones([1024, 128])
+        size = simulate.Sizer(32)
+        masked = tf.boolean_mask(h, h[:, 0] > 0)
+        assert masked.shape.as_list() == [None, 128]
+        assert size.shape(masked) == [1024, 128]
+        assert size.shape(tf.where(h > 0)) == [1024 * 128, 2]
+        assert size.shape(tf.unique(tf.reshape(h, [-1])).y) == [1024 * 128]
+        parts = tf.dynamic_partition(h, tf.zeros([1024], tf.int32), 2)
+        assert size.shape(parts[1]) == [1024, 128]
+        picked = tf.gather(h, tf.where(h[:, 0] > 0)[:, 0], axis=0)
+        assert size.shape(picked) == [1024, 128]
+        columns = tf.gather(h, tf.where(h[0] > 0)[:, 0], axis=1)
+        assert size.shape(columns) == [1024, 128]
+        nd = tf.gather_nd(h, tf.where(h > 0))
+        assert size.shape(nd) == [1024 * 128]
+        with_batch = tf.compat.v1.placeholder(tf.float32, [None, 16])
+        assert size.shape(tf.boolean_mask(with_batch, with_batch[:, 0] > 0)) == [32, 16]
+
+
+@pytest.mark.memory
+def test_a_boolean_mask_between_known_layers_is_planned_as_measured(graph, measure_peak):
+    """Six dense layers, a boolean mask that keeps every row, six more (batch 1024,
+    width 128: 512 KiB activations): plain's peak is no longer under-predicted (it was
+    at 0.65x of the measured peak), and over-predicted no more than the same layers
+    without the mask are (7.5 MB against 6.56 measured, 14%); 'memory''s within 10%."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((1024, 128)).astype("float32"))
+    weights = [tf.Variable(rng.standard_normal((128, 128)).astype("float32") / 12)
+               for _ in range(12)]
+    h = x
+    for w in weights[:6]:
+        h = tf.tanh(h @ w)
+    h = tf.boolean_mask(h, h[:, 0] > -100.0)
+    for w in weights[6:]:
+        h = tf.tanh(h @ w)
+    loss = tf.reduce_sum(h * h)
+    the_plan = msg.plan(loss, weights, checkpoints="memory")
+    plain, _ = measure_peak([g for g in tf.compat.v1.gradients(loss, weights)])
+    ours, _ = measure_peak(msg.gradients(loss, weights, checkpoints="memory"))
+    said = f"measured plain {plain / MIB:.2f}, 'memory' {ours / MIB:.2f} MiB\n{the_plan}"
+    assert 0.95 * plain <= the_plan.baseline_peak_bytes <= 1.2 * plain, said
+    assert abs(the_plan.predicted_peak_bytes - ours) <= 0.1 * ours, said
+    assert ours < 0.8 * plain, said
