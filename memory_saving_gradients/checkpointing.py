@@ -985,12 +985,35 @@ def _backprop(request: _Request) -> list:
     """The gradients of ``request``: the steps of its backward schedule, built in order."""
     schedule = schedule_lib.backward_schedule(
         request.region, request.ys, request.xs, request.checkpoints, request.stops)
+    _warn_if_recomputing_much(schedule, request.region)
     reporting.scheduled(schedule)
     backward = _BackwardPass(request, schedule)
     for step in schedule.steps:
         backward.take(step)
     backward.finish_gates()
     return backward.results()
+
+
+#: Recomputed ops, as a multiple of the ops between xs and ys, above which a backward
+#: pass is said to recompute much (one extra forward pass recomputes them once).
+MANY_RECOMPUTED = 3
+
+
+def _warn_if_recomputing_much(schedule: schedule_lib.Schedule, region) -> None:
+    """A WARNING where the schedule copies more than :data:`MANY_RECOMPUTED` times the
+    region's ops: kept tensors that do not separate the graph (a list of every n-th
+    layer's output on Inception or NASNet cells) leave each segment to reach back past
+    them, and segments overlap (NASNet: 169,607 copies, 742 s to build)."""
+    copies = sum(len(step.segment.ops) for step in schedule.steps
+                 if step.handling == schedule_lib.RECOMPUTED)
+    if copies > MANY_RECOMPUTED * max(1, len(region.ops)):
+        logger.warning(
+            "these checkpoints make the backward pass recompute %d ops, %.1f times the %d "
+            "between xs and ys: branches pass around the kept tensors, so each one's "
+            "segment reaches back to tensors that separate the graph, and the segments "
+            "overlap. Building it takes long and the step runs slower than one extra "
+            "forward pass; checkpoints='memory' keeps tensors that separate the graph.",
+            copies, copies / max(1, len(region.ops)), len(region.ops))
 
 
 class _Contributions:
