@@ -424,7 +424,8 @@ def _check_gradient_options(options: dict) -> None:
     """Raise what ``tf.gradients`` would for ``aggregation_method`` and
     ``unconnected_gradients``, before anything is built (TensorFlow raises midway)."""
     method = options.get("aggregation_method")
-    if method is not None and (isinstance(method, bool) or method not in _AGGREGATION_METHODS):
+    if method is not None and (isinstance(method, bool) or not isinstance(method, numbers.Integral)
+                               or method not in _AGGREGATION_METHODS):
         raise ValueError(
             f"aggregation_method must be None or one of {list(_AGGREGATION_METHODS.values())} "
             f"({sorted(_AGGREGATION_METHODS)}); got {method!r}.")

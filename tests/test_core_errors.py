@@ -291,6 +291,7 @@ def test_grad_ys_that_do_not_fit_their_y(model, bad_grad_ys, unchanged, kind, er
     ("unconnected_gradients", "sometimes", ["unconnected_gradients", "ZERO", "sometimes"]),
     ("aggregation_method", 7, ["aggregation_method", "ADD_N", "EXPERIMENTAL_TREE", "got 7"]),
     ("aggregation_method", "tree", ["aggregation_method", "got 'tree'"]),
+    ("aggregation_method", [1], ["aggregation_method", r"got \[1\]"]),
 ])
 def test_a_bad_gradient_option_raises_before_anything_is_built(model, unchanged, checkpoints,
                                                                option, value, words):
