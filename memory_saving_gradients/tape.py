@@ -165,6 +165,8 @@ OFF_THE_RECORDING = ("a target that no op recorded by the tape made (computed af
 NO_SOURCE_ON_THE_TAPE = ("no source the tape watched or recorded (a variable it did not "
                          "watch, a tensor made outside it and not watched): every "
                          "gradient is None, as the tape's own")
+#: Why a gradient with no sources at all (a model without weights) builds nothing.
+NO_SOURCES = "no sources (an empty list: a model without trainable weights): nothing to differentiate"
 _AUTOGRAPH_STAGING = "autograph's throwaway trace of a loop body"
 _FORWARDPROP_HELPER = "a ForwardAccumulator's per-op helper"
 #: Reasons for a plain gradient that are not the user's to know: nothing is reported.
@@ -276,7 +278,9 @@ def _source_gradients(config: Config, ys: list, grad_ys, flat_sources: list,
     None (zeros with ``unconnected_gradients='zero'``) where the tape gives none."""
     connected, xs = _recorded_sources(flat_sources, recording, watched)
     results = [None] * len(flat_sources)
-    if ys and not xs:
+    if ys and not flat_sources:
+        reporting.left_plain(config.record, NO_SOURCES, ys[0].graph)
+    elif ys and not xs:
         reporting.left_plain(config.record, NO_SOURCE_ON_THE_TAPE, ys[0].graph)
     if xs and ys:
         options = dict(config.options)

@@ -655,6 +655,26 @@ def test_a_gradient_to_sources_the_tape_never_saw_says_so(weights, x):
     assert said and "no source the tape watched or recorded" in said[0], said
 
 
+def test_no_sources_give_the_tapes_answer_and_say_why(weights, x):
+    """A tape gradient to no sources (a model without trainable weights) gives the tape's
+    own answer, and the warning says there were none, not that the tape did not watch
+    them."""
+    import warnings
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            loss = _forward(weights, x)
+        return tape.gradient(loss, [])
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with msg.patched("memory"):
+            got = tf.function(body)(x)
+    assert got == []
+    said = [str(w.message) for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)]
+    assert said and "no sources (an empty list" in said[0], said
+
+
 def test_wrong_output_gradients_are_named_in_the_tapes_words():
     """A tape's output_gradients of the wrong shape: the error names output_gradients and
     the target (it named grad_ys and ys, words the tape's user never wrote)."""
