@@ -421,11 +421,11 @@ _AGGREGATION_METHODS = {
 
 
 def _check_gradient_options(options: dict) -> None:
-    """Raise what ``tf.gradients`` would for ``aggregation_method`` and
-    ``unconnected_gradients``, before anything is built (TensorFlow raises midway)."""
+    """Raise what ``tf.gradients`` would for ``aggregation_method`` (a value equal to
+    one of ``tf.AggregationMethod``'s) and ``unconnected_gradients``, before anything
+    is built (TensorFlow raises midway, and only where gradients are aggregated)."""
     method = options.get("aggregation_method")
-    if method is not None and (isinstance(method, bool) or not isinstance(method, numbers.Integral)
-                               or method not in _AGGREGATION_METHODS):
+    if method is not None and method not in list(_AGGREGATION_METHODS):  # as tf.gradients
         raise ValueError(
             f"aggregation_method must be None or one of {list(_AGGREGATION_METHODS.values())} "
             f"({sorted(_AGGREGATION_METHODS)}); got {method!r}.")
@@ -1000,14 +1000,21 @@ def _backprop(request: _Request) -> list:
 MANY_RECOMPUTED = 3
 
 
+_warned_recomputing: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
+
+
 def _warn_if_recomputing_much(schedule: schedule_lib.Schedule, region) -> None:
-    """A WARNING where the schedule copies more than :data:`MANY_RECOMPUTED` times the
-    region's ops: kept tensors that do not separate the graph (a list of every n-th
-    layer's output on Inception or NASNet cells) leave each segment to reach back past
-    them, and segments overlap (NASNet: 169,607 copies, 742 s to build)."""
+    """Once per graph, a WARNING where the schedule copies more than
+    :data:`MANY_RECOMPUTED` times the region's ops: kept tensors that do not separate the
+    graph (a list of every n-th layer's output on Inception or NASNet cells) leave each
+    segment to reach back past them, and segments overlap (NASNet: 169,607 copies, 742 s
+    to build)."""
     copies = sum(len(step.segment.ops) for step in schedule.steps
                  if step.handling == schedule_lib.RECOMPUTED)
-    if copies > MANY_RECOMPUTED * max(1, len(region.ops)):
+    graph = region.order[0].graph if region.order else None
+    if copies > MANY_RECOMPUTED * max(1, len(region.ops)) and graph not in _warned_recomputing:
+        if graph is not None:
+            _warned_recomputing.add(graph)
         logger.warning(
             "these checkpoints make the backward pass recompute %d ops, %.1f times the %d "
             "between xs and ys: branches pass around the kept tensors, so each one's "

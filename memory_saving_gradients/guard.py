@@ -102,11 +102,11 @@ def _raised_at(error: BaseException) -> str:
 
 def _warn(reason: str) -> None:
     message = (
-        f"memory_saving_gradients: {reason}. This call uses plain tf.gradients instead "
+        f"{reason}. This call uses plain tf.gradients instead "
         "(no memory saved for it); please report this with the model."
     )
-    logger.warning("%s", message)
-    notices.warn(message, FallbackWarning)
+    logger.warning("%s", message)  # the logger's filter begins it with the library's name
+    notices.warn(notices.LOG_PREFIX + message, FallbackWarning)
 
 
 def find_difference(

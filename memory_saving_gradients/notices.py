@@ -25,9 +25,10 @@ class _NamedWarnings(logging.Filter):
     """Begins the message of each WARNING-or-above record with :data:`LOG_PREFIX`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if (record.levelno >= logging.WARNING and isinstance(record.msg, str)
-                and not record.msg.startswith(LOG_PREFIX)):
-            record.msg = LOG_PREFIX + record.msg
+        if record.levelno >= logging.WARNING:
+            message = record.getMessage()
+            if not message.startswith(LOG_PREFIX):
+                record.msg, record.args = LOG_PREFIX + message, ()
         return True
 
 

@@ -304,7 +304,7 @@ def test_a_bad_gradient_option_raises_before_anything_is_built(model, unchanged,
     if option == "aggregation_method":  # a tape's option (the other is gradient()'s argument)
         with pytest.raises(ValueError, match=option):
             msg.GradientTape(checkpoints="memory", aggregation_method=value)
-        for good in (None, tf.AggregationMethod.EXPERIMENTAL_TREE):
+        for good in (None, tf.AggregationMethod.EXPERIMENTAL_TREE, 1.0, True):  # as tf
             msg.GradientTape(checkpoints="memory", aggregation_method=good)
 
 

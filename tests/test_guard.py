@@ -98,6 +98,10 @@ def test_a_gradient_lost_midway_falls_back_and_names_the_op(graph, caplog, monke
     monkeypatch.setattr(checkpointing.graph_lib, "gradient_carriers", losing)
     ours, fallbacks, logged = _call(loss, xs, units[::2], caplog)
     assert len(fallbacks) == 1 and len(logged) == 1, fallbacks
+    # the library's name once, in the warning and in the log line (the log had it twice)
+    for said in (fallbacks[0], logged[0].getMessage()):
+        assert said.startswith("memory_saving_gradients: ") and said.count(
+            "memory_saving_gradients:") == 1, said
     message = fallbacks[0]
     # the first x that lost its gradient, and the op where the backward pass first differs
     assert "no gradient for table" in message and "tf.gradients gives an IndexedSlices" in message
