@@ -261,8 +261,9 @@ def plan(
 
 
 def _stop_list(stop_gradients) -> list:
-    """``stop_gradients`` as a list of tensors (checked as :func:`gradients` checks it)."""
-    if stop_gradients is None:
+    """``stop_gradients`` as a list of tensors (checked as :func:`gradients` checks it).
+    None and an empty list stop nothing, as in ``tf.gradients``."""
+    if stop_gradients is None or (isinstance(stop_gradients, (list, tuple)) and not stop_gradients):
         return []
     return _tensor_list(stop_gradients, "stop_gradients")
 

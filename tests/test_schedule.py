@@ -14,6 +14,7 @@ import os
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -119,7 +120,7 @@ def test_benchmark_models_plan_the_schedule_gradients_builds(name, strategy):
     assert {step.handling for step in built.steps} & {schedule.RECOMPUTED}
 
 
-@pytest.mark.parametrize("bad", [[], [1.5], "x"])
+@pytest.mark.parametrize("bad", [[1.5], "x", [None]])
 def test_plan_rejects_stop_gradients_as_gradients_does(bad):
     graph = tf.Graph()
     with graph.as_default():
@@ -133,6 +134,25 @@ def test_plan_rejects_stop_gradients_as_gradients_does(bad):
             errors.append((type(caught.value), str(caught.value)))
     assert errors[0] == errors[1]
     assert "stop_gradients" in errors[0][1]
+
+
+@pytest.mark.parametrize("empty", [[], ()])
+def test_an_empty_stop_gradients_stops_nothing_as_in_tf_gradients(empty):
+    """tf.gradients takes ``stop_gradients=[]`` as stopping nothing; so do plan() and
+    gradients() (they raised "stop_gradients is empty")."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [SIZE], name="x")
+        h, units = _tanh_chain(x, 4)
+        loss = tf.reduce_sum(h)
+        made = msg.plan(loss, x, checkpoints=units[1:2], stop_gradients=empty)
+        assert made.recomputed_ops
+        ours = msg.gradients(loss, x, checkpoints=units[1:2], stop_gradients=empty)
+        reference = tf.gradients(loss, x, stop_gradients=empty)
+        with tf.compat.v1.Session() as session:
+            feed = {x: np.linspace(-1.0, 1.0, SIZE, dtype=np.float32)}
+            got, want = session.run([ours, reference], feed)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
 
 
 def test_a_plan_that_keeps_nothing_is_plain_tf_gradients():
