@@ -38,7 +38,10 @@ class Plan:
       strategy: the strategy name, or ``'list'`` for tensors given by the user.
       assumptions: what the memory model had to assume (unknown dimensions).
       recomputed_ops: ``(op type, count)`` of the copies the backward pass runs,
-        most frequent first (copies that nothing reads are pruned, not run).
+        most frequent first (copies that nothing reads are pruned, not run).  A
+        step that fetches ys runs these beyond plain's ops; one that fetches only the
+        gradients runs fewer, since grappler then prunes the forward ops above the
+        last checkpoint, which only their copies feed.
       batch: on a graph with unknown dimensions (an unknown batch), the batch the
         two peaks above are predicted at; None when every shape is known.
         :meth:`peak_at` and :meth:`largest_batch` answer for any batch.
