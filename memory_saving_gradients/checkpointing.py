@@ -904,8 +904,9 @@ def _why_nothing_helps(region) -> str:
     custom = sum(1 for op in region.order if graph_lib.custom_gradient_arguments(op) is not None)
     if custom:
         return (
-            f"{custom} of them are tf.custom_gradient functions (Keras' quantized layers, "
-            "silu), whose gradients read their arguments as the forward pass made them: "
+            f"{custom} of them are tf.custom_gradient functions (tf.recompute_grad blocks, "
+            "Keras' quantized layers, silu), whose gradients read their arguments as the "
+            "forward pass made them: "
             "those stay alive whatever the plan, and the activations left to recompute "
             "are small next to what the backward pass must hold anyway"
         )

@@ -396,6 +396,28 @@ def test_custom_gradient_recompute_grad_and_while_loop(weights, x):
     assert _recomputes(graph) > 0
 
 
+def test_a_model_of_recompute_grad_blocks_is_told_why_nothing_is_kept(weights, x):
+    """Blocks the user already wrapped in tf.recompute_grad hold only their arguments for
+    the backward pass: 'memory' keeps nothing, gives plain's gradients, and says that the
+    blocks are why (the warning named only Keras' quantized layers and silu)."""
+    block = tf.recompute_grad(lambda h, w: tf.tanh(tf.matmul(tf.tanh(tf.matmul(h, w)), w)))
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            h = x
+            for w in weights[:6]:
+                h = block(h, w)
+            loss = tf.reduce_sum(h * h)
+        return tape.gradient(loss, weights[:6])
+
+    with pytest.warns(msg.NothingKeptWarning) as warned:
+        want, got, graph = _both(body, x)
+    _close(got, want)
+    assert _recomputes(graph) == 0
+    said = " ".join(str(w.message) for w in warned if w.category is msg.NothingKeptWarning)
+    assert "6 of them are tf.custom_gradient functions (tf.recompute_grad blocks" in said, said
+
+
 @pytest.mark.parametrize("how", ["tape", "tape in a function", "tf.gradients"])
 def test_a_gradient_accumulation_loop_is_planned_once(weights, x, how):
     """A ``tf.range`` loop whose loss is first set in its body: autograph traces the body
