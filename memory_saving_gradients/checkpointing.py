@@ -274,7 +274,7 @@ def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=(),
     remembered with the checkpoints (:mod:`.memo`), so that a retrace predicts nothing
     again."""
     strategy = checkpoints if isinstance(checkpoints, str) else "list"
-    unknown = graph_lib.has_unknown_dims(problem.region)
+    unknown = _unknown_sizes(problem.region)
     stated = batch_size is not None
     batch_size, batch_note = _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown)
     schedule = schedule_lib.backward_schedule(
@@ -638,7 +638,7 @@ def choose_checkpoints(
         return None
     if isinstance(checkpoints, str):
         strategy = strategies.get(checkpoints)
-        unknown = graph_lib.has_unknown_dims(region)
+        unknown = _unknown_sizes(region)
         fitting = None  # with a budget and an unknown batch: the plan its batch was found with
         stated = batch_size is not None
         if memory_budget is not None and unknown and batch_size is None:
@@ -720,6 +720,14 @@ def choose_checkpoints(
 
 def _unknown_dim(batch_size) -> int:
     return DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
+
+
+def _unknown_sizes(region) -> str:
+    """:func:`.graph.has_unknown_dims` of ``region``, or ``""`` where the memory model
+    bounds every unknown size by known ones (:func:`.simulate.counts_unknown_sizes`):
+    the plan's figures then hold at any batch, and no batch is assumed."""
+    unknown = graph_lib.has_unknown_dims(region)
+    return unknown if unknown and simulate.counts_unknown_sizes(region) else ""
 
 
 def _planning_dim(batch_size, unknown: str):

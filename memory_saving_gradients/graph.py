@@ -890,7 +890,7 @@ def has_unknown_size(tensor: tf.Tensor) -> bool:
     return not tensor.shape.is_fully_defined()
 
 
-def _unknown_tensors(region: ForwardRegion) -> list:
+def unknown_size_tensors(region: ForwardRegion) -> list:
     """The region's tensors with an unknown size, as plans count them: the inputs its
     ops read from outside it (a placeholder), then the outputs of its ops."""
     outputs = [t for op in region.order for t in op.outputs]
@@ -900,7 +900,7 @@ def _unknown_tensors(region: ForwardRegion) -> list:
 def has_unknown_dims(region: ForwardRegion) -> str:
     """A short description of the region's tensors with unknown dimensions
     (e.g. ``"12 tensors, e.g. dense/MatMul:0 (None, 64)"``), or ``""``."""
-    unknown = _unknown_tensors(region)
+    unknown = unknown_size_tensors(region)
     if not unknown:
         return ""
     count = "1 tensor" if len(unknown) == 1 else f"{len(unknown)} tensors"
@@ -942,7 +942,7 @@ def batch_is_unknown(region: ForwardRegion) -> bool:
 def first_unknown(region: ForwardRegion, fed_only: bool = False) -> "tf.Tensor | None":
     """The first of the region's tensors with an unknown size (``fed_only``: of the
     tensors fed, :func:`fed_tensors`), or None."""
-    tensors = fed_tensors(region) if fed_only else _unknown_tensors(region)
+    tensors = fed_tensors(region) if fed_only else unknown_size_tensors(region)
     return next((t for t in tensors if has_unknown_size(t)), None)
 
 

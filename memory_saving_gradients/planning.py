@@ -165,8 +165,9 @@ class Plan:
         if self._model is None or self.batch is None:
             raise ValueError(
                 "largest_batch needs a graph whose batch dimension is unknown (None) when "
-                "traced: this graph's shapes are fully known, so its peak does not depend "
-                "on a batch. Trace the step with a [None, ...] input."
+                "traced: this graph's shapes are fully known, or each unknown one is bounded "
+                "by a known tensor (a slice of it: see the plan's assumptions), so its peak "
+                "does not depend on a batch. Trace the step with a [None, ...] input."
             )
         found = self._model.largest_batch(memory_bytes, plain, fixed_bytes, per_example_bytes,
                                           headroom)

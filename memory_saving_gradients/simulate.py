@@ -129,7 +129,9 @@ class Sizer:
     def __init__(self, unknown_dim: int = 1, stated: bool = False):
         self.unknown_dim = unknown_dim
         self.stated = stated  # unknown_dim is the batch_size= the caller passed
-        self.assumed: set = set()
+        self.assumed: set = set()  # names of tensors sized with unknown_dim
+        self.bounded: dict = {}  # name -> estimate, of those sized from known tensors alone
+        self._frames: list = []  # per shape being estimated: whether unknown_dim was used
         self._bytes: dict = {}
         self._shapes: dict = {}
         self._values: dict = {}  # shape tensors' values (shape_values.evaluate)
@@ -144,9 +146,13 @@ class Sizer:
         if found is None or found[0] is not tensor:
             shape = tensor.shape
             if shape.rank is None or not shape.is_fully_defined():
+                dims = self.shape(tensor)
                 if graph_lib.has_unknown_size(tensor):
-                    self.assumed.add(tensor.name)
-                size = graph_lib.tensor_bytes(tensor, dims=self.shape(tensor))
+                    if dims is None or self._shapes[id(tensor)][2]:
+                        self.assumed.add(tensor.name)
+                    else:
+                        self.bounded[tensor.name] = (shape, dims)
+                size = graph_lib.tensor_bytes(tensor, dims=dims)
             else:
                 size = graph_lib.tensor_bytes(tensor)
             found = self._bytes[id(tensor)] = (tensor, size)
@@ -166,14 +172,33 @@ class Sizer:
         """
         found = self._shapes.get(id(tensor))
         if found is not None and found[0] is tensor:
+            self._used_unknown(found[2])
             return found[1]
         if tensor.shape.rank is None:
+            self._used_unknown(True)
             return None
         dims = tensor.shape.as_list()
+        used = False
         if None in dims:
-            dims = self._estimate(tensor, dims, depth)
-        self._shapes[id(tensor)] = (tensor, dims)
+            self._frames.append(False)
+            try:
+                dims = self._estimate(tensor, dims, depth)
+            finally:
+                used = self._frames.pop()
+        self._shapes[id(tensor)] = (tensor, dims, used)
+        self._used_unknown(used)
         return dims
+
+    def _used_unknown(self, used: bool = True) -> None:
+        """Notes that the shape being estimated counts ``unknown_dim`` somewhere (itself,
+        or through a shape it was estimated from)."""
+        if used and self._frames:
+            self._frames[-1] = True
+
+    def _fallback(self) -> int:
+        """``unknown_dim``, for a dimension nothing known bounds (noted)."""
+        self._used_unknown()
+        return self.unknown_dim
 
     def _estimate(self, tensor: tf.Tensor, dims: list, depth: int) -> list:
         op = tensor.op
@@ -208,6 +233,8 @@ class Sizer:
             if source is not None:
                 # the first unknown dimension takes what the others leave over
                 unknown = [i for i, d in enumerate(dims) if d is None]
+                if len(unknown) > 1:
+                    self._used_unknown()
                 filled = [self.unknown_dim if d is None else d for d in dims]
                 filled[unknown[0]] = 1
                 rest = int(np.prod(filled, dtype=np.float64)) or 1
@@ -217,15 +244,15 @@ class Sizer:
         for i, d in enumerate(dims):
             if d is not None:
                 continue
-            estimated[i] = self.unknown_dim
-            if deep:
-                continue
-            for t in inputs:
+            estimated[i] = None
+            for t in inputs if not deep else ():
                 if t.shape.rank == len(dims) and t.shape.as_list()[i] is None:
                     source = self.shape(t, depth + 1)
                     if source is not None:
                         estimated[i] = source[i]
                         break
+            if estimated[i] is None:
+                estimated[i] = self._fallback()
         return estimated
 
     def _slice_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
@@ -301,7 +328,7 @@ class Sizer:
         for i, d in enumerate(dims[:-2]):
             if d is None:
                 source = a if len(a) == len(dims) else b
-                estimated[i] = source[i] if len(source) == len(dims) else self.unknown_dim
+                estimated[i] = source[i] if len(source) == len(dims) else self._fallback()
         estimated[-2] = dims[-2] if dims[-2] is not None else rows
         estimated[-1] = dims[-1] if dims[-1] is not None else cols
         return estimated
@@ -416,6 +443,14 @@ class Sizer:
             notes += (f"{len(loops)} while {'loop' if len(loops) == 1 else 'loops'} (e.g. "
                       f"{loops[0]}) {'has' if len(loops) == 1 else 'have'} no static trip count: "
                       f"the steps each keeps for its gradient are counted as {self.unknown_dim}",)
+        if self.bounded:
+            name = min(self.bounded)
+            shape, dims = self.bounded[name]
+            count = len(self.bounded)
+            notes += (f"{count} {'tensor has' if count == 1 else 'tensors have'} unknown "
+                      f"dimensions bounded by known ones and counted at that bound (e.g. "
+                      f"{name} {shape} as {tuple(dims)}: a slice of a known tensor is planned "
+                      "at its whole size, a boolean mask's rows at all rows)",)
         if not self.assumed:
             return notes
         names = sorted(self.assumed)
@@ -430,6 +465,19 @@ class Sizer:
 
 #: :data:`.ops.CONVOLUTIONS`.
 CONVOLUTION_OP_TYPES = op_types.CONVOLUTIONS
+
+
+def counts_unknown_sizes(region: graph_lib.ForwardRegion) -> bool:
+    """Whether the memory model counts any of the region's sizes as the unknown size
+    (``Sizer.unknown_dim``): False where every shape is known, or every unknown one is
+    bounded by known tensors (a slice of a known tensor, its rows picked by a mask), so
+    that the plan's figures hold whatever is fed."""
+    size = Sizer(1)
+    for t in graph_lib.unknown_size_tensors(region):
+        size(t)
+    for op in region.order:
+        size.loop_bytes(op)
+    return bool(size.assumed or size.loops_assumed)
 
 
 def loop_note(region: graph_lib.ForwardRegion) -> tuple:

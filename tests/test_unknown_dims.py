@@ -301,13 +301,14 @@ def test_a_plan_whose_figures_do_not_depend_on_the_unknown_size_does_not_say_one
     """With the batch known, a random crop's unknown height and width are bounded by
     its input's: no figure depends on the size the unknown dimensions are counted as,
     so the INFO line and ``str(plan)`` do not give figures "at an unknown size counted
-    as 32" by batch (all the same)."""
+    as 32" by batch (all the same); the plan assumes no batch and names the bound."""
     with tf.Graph().as_default():
         h, weights, _ = _randomly_cropped_convolutions(8)
         loss = tf.reduce_sum(h * h)
         the_plan = msg.plan(loss, weights, checkpoints="memory")
-        assert the_plan.batch is not None and not the_plan.depends_on_batch, str(the_plan)
+        assert the_plan.batch is None and not the_plan.depends_on_batch, str(the_plan)
         assert "by batch" not in str(the_plan), str(the_plan)
+        assert "bounded by known ones" in str(the_plan), str(the_plan)
         with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
             msg.gradients(loss, weights, checkpoints="memory")
         lines = [r.getMessage() for r in caplog.records if "rewrote the gradients" in r.getMessage()]
@@ -539,3 +540,50 @@ def test_a_boolean_mask_between_known_layers_is_planned_as_measured(graph, measu
     assert 0.95 * plain <= the_plan.baseline_peak_bytes <= 1.2 * plain, said
     assert abs(the_plan.predicted_peak_bytes - ours) <= 0.1 * ours, said
     assert ours < 0.8 * plain, said
+
+
+def test_a_plan_whose_unknown_sizes_known_tensors_bound_assumes_no_batch():
+    """A micro-batch sliced from a known input with a traced index (gradient accumulation
+    over ``x[i * 256:(i + 1) * 256]``) is planned at the input's 1024 rows, its bound.
+    The plan said the unknown sizes were "counted as 32", that ``peak_at(batch)`` gives
+    any other and that ``batch_size=`` sets them, none of which held (a helper's trial);
+    ``largest_batch`` answered 2**24 and asked whether the memory was in bytes.  Now it
+    names the bound and assumes no batch, as on a graph whose shapes are all known; a
+    fed unknown batch beside such a slice is still planned at the batch."""
+    weights = [tf.Variable(tf.random.stateless_normal([256, 256], seed=[i, 1]) / 16.0)
+               for i in range(8)]
+    inputs = tf.random.stateless_normal([1024, 256], seed=[2, 3])
+
+    def layers(h):
+        for w in weights:
+            h = tf.tanh(h @ w)
+        return tf.reduce_sum(h)
+
+    found = {}
+
+    @tf.function
+    def sliced(x, i):
+        loss = layers(x[i * 256:(i + 1) * 256])
+        found["plan"] = msg.plan(loss, weights, checkpoints="memory")
+        found["stated"] = msg.plan(loss, weights, checkpoints="memory", batch_size=256)
+        return loss
+
+    sliced.get_concrete_function(inputs, tf.constant(1))
+    the_plan, stated = found["plan"], found["stated"]
+    said = str(the_plan)
+    assert the_plan.batch is None and not the_plan.depends_on_batch, said
+    assert "counted as 32" not in said and "batch_size=" not in said, said
+    assert "bounded by known ones" in said and "(1024, 256)" in said, said
+    assert stated.predicted_peak_bytes == the_plan.predicted_peak_bytes
+    with pytest.raises(ValueError, match="bounded by a known tensor"):
+        the_plan.largest_batch(64 * MIB)
+
+    @tf.function
+    def fed(x, extra):
+        loss = layers(x[:256]) + layers(extra)
+        found["fed"] = msg.plan(loss, weights, checkpoints="memory")
+        return loss
+
+    fed.get_concrete_function(inputs, tf.TensorSpec([None, 256], tf.float32))
+    assert found["fed"].batch == 32 and found["fed"].depends_on_batch, found["fed"]
+    assert "counted as 32" in str(found["fed"]), found["fed"]
