@@ -103,6 +103,7 @@ from tensorflow.python.ops import script_ops as _script_ops
 from tensorflow.python.ops.control_flow_v2_func_graphs import (
     ControlFlowFuncGraph as _ControlFlowFuncGraph,
 )
+from tensorflow.python.util import tf_stack as _tf_stack
 
 #: TensorFlow's own ``tf.compat.v1.gradients``, captured before any patching.
 tf_gradients = _gradients_impl.gradients
@@ -192,6 +193,23 @@ def in_forwardprop_helper_trace() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def autograph_origin(filename: str, lineno: int) -> tuple | None:
+    """``(filename, lineno)`` of the user's line that a line of code autograph generated
+    came from, by the source map of the conversion running on this thread (the one
+    TensorFlow's own tracebacks use); None where none maps it."""
+    stack = _tf_stack._source_mapper_stacks.get(threading.get_ident())
+    if not stack:
+        return None
+    try:
+        found = stack[-1].get_effective_source_map().get((filename, lineno))
+    except Exception:  # noqa: BLE001 -- a private map: no origin rather than an error
+        return None
+    return (found[0], found[1]) if found else None
+
+
+notices.origin_of_converted_line = autograph_origin
 
 
 def in_autograph_staging_trace() -> bool:

@@ -69,6 +69,12 @@ _SKIPPED_MODULES = frozenset({__name__.split(".")[0], "tensorflow", "keras", "tf
 _AUTOGRAPH_FILE = "__autograph_generated"
 
 
+#: ``(filename, lineno) -> (filename, lineno) | None``: the user's line that a line of
+#: code autograph generated came from.  The TensorFlow shim sets it (this module
+#: imports nothing of the library); None: no line is mapped.
+origin_of_converted_line = None
+
+
 def _skipped(frame) -> bool:
     name = frame.f_globals.get("__name__") or ""
     return (name.split(".")[0] in _SKIPPED_MODULES
@@ -79,10 +85,35 @@ def warn(message: str, category: type[Warning]) -> None:
     """``warnings.warn(message, category)`` reported at the user's own line: the first
     frame outside this library, TensorFlow and Keras (the ``fit``, the call that traces
     a step, the end of a ``with patched():`` block), so that Python's
-    once-per-location filter tells one call site from another."""
+    once-per-location filter tells one call site from another.
+
+    Where no such frame calls it (a ``tf.distribute`` replica's function runs on a
+    thread of its own), the user's line in the code autograph converted is named."""
     frame, level = sys._getframe(1), 2
+    converted = None  # the innermost frame of code autograph generated
     while frame is not None and _skipped(frame):
+        if converted is None and _AUTOGRAPH_FILE in frame.f_code.co_filename:
+            converted = frame
         frame, level = frame.f_back, level + 1
+    if converted is not None and (frame is None or _starts_a_thread(frame)):
+        origin = origin_of_converted_line and origin_of_converted_line(
+            converted.f_code.co_filename, converted.f_lineno)
+        if origin:
+            warnings.warn_explicit(
+                message, category, origin[0], origin[1],
+                module=converted.f_globals.get("__name__"),
+                registry=converted.f_globals.setdefault("__warningregistry__", {}))
+            return
     if frame is None:
         level = 2
     warnings.warn(message, category, stacklevel=level)
+
+
+def _starts_a_thread(frame) -> bool:
+    """Whether ``frame`` and every frame below it is the threading module's (the start
+    of a thread): no caller of the user's there."""
+    while frame is not None:
+        if frame.f_globals.get("__name__") != "threading":
+            return False
+        frame = frame.f_back
+    return True

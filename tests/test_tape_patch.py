@@ -7,7 +7,10 @@ have rewritten the step, the traced graph must hold ``recompute`` copies.
 
 from __future__ import annotations
 
+import inspect
 import sys
+import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -416,6 +419,34 @@ def test_a_model_of_recompute_grad_blocks_is_told_why_nothing_is_kept(weights, x
     assert _recomputes(graph) == 0
     said = " ".join(str(w.message) for w in warned if w.category is msg.NothingKeptWarning)
     assert "6 of them are tf.custom_gradient functions (tf.recompute_grad blocks" in said, said
+
+
+def test_a_warning_from_a_step_traced_on_a_thread_of_its_own_names_the_users_line():
+    """A tf.distribute replica's function is traced on a thread of its own, where no
+    frame of the user's calls the library: its warnings were reported at threading.py
+    (one location for every call site, so Python's once-per-location filter hid all but
+    one).  They name the user's line in the code autograph converted."""
+    weight = tf.Variable(tf.ones([256, 256]) * 0.01)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(tf.tanh(x @ weight) @ weight))
+        return tape.gradient(loss, weight)
+
+    lines, first = inspect.getsourcelines(step)
+    expected = first + next(i for i, line in enumerate(lines) if "tape.gradient" in line)
+    traced = tf.function(step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with msg.patched("memory"):
+            thread = threading.Thread(target=traced.get_concrete_function,
+                                      args=(tf.TensorSpec([4, 256], tf.float32),))
+            thread.start()
+            thread.join()
+    kept = [w for w in caught if w.category is msg.NothingKeptWarning]
+    assert kept, [str(w.message) for w in caught]
+    assert (kept[0].filename, kept[0].lineno) == (__file__, expected), (
+        kept[0].filename, kept[0].lineno)
 
 
 @pytest.mark.parametrize("how", ["tape", "tape in a function", "tf.gradients"])
