@@ -421,6 +421,34 @@ def test_a_model_of_recompute_grad_blocks_is_told_why_nothing_is_kept(weights, x
     assert "6 of them are tf.custom_gradient functions (tf.recompute_grad blocks" in said, said
 
 
+def test_a_model_called_as_a_tf_function_is_kept_whole_and_its_python_function_is_not(
+        weights, x):
+    """A model whose call is itself a ``tf.function`` (a ``tf.Module``'s decorated
+    ``__call__``, a loaded SavedModel) is one function-call op in the step: kept whole,
+    nothing is recomputed, and the warning says so.  Calling its ``python_function``
+    in the step puts its ops in the step's graph, where they are checkpointed."""
+    model = tf.function(lambda h: _chain(weights, h))
+
+    def called(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        return tape.gradient(loss, weights)
+
+    with pytest.warns(msg.NothingKeptWarning, match="function calls") as warned:
+        want, got, graph = _both(called, x)
+    _close(got, want)
+    assert _recomputes(graph) == 0, [str(w.message) for w in warned]
+
+    def inlined(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model.python_function(x) ** 2)
+        return tape.gradient(loss, weights)
+
+    want, got, graph = _both(inlined, x)
+    _close(got, want)
+    assert _recomputes(graph) > 0
+
+
 def test_a_warning_from_a_step_traced_on_a_thread_of_its_own_names_the_users_line():
     """A tf.distribute replica's function is traced on a thread of its own, where no
     frame of the user's calls the library: its warnings were reported at threading.py
