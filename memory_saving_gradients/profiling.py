@@ -1,7 +1,7 @@
 """Measured peak memory: of a TF2 step (eager, ``tf.function``, Keras ``fit``), or of
 a traced ``tf.compat.v1`` ``Session.run``.
 
-Layer: analysis (measures; changes no graph); imports: _tensorflow.
+Layer: analysis (measures; changes no graph); imports: notices, _tensorflow.
 
 TF2: :func:`peak_memory_during` resets the device allocator's statistics
 (``tf.config.experimental.reset_memory_stats``), runs your code, and returns
@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Callable, Iterable
 
+from . import notices
 from ._tensorflow import gpu_visible, tf
 
 
@@ -48,7 +49,10 @@ def peak_memory_during(run: Callable[[], object], device: str | None = None) -> 
     The allocator counts whole chunks: a request placed in a free chunk less than
     twice its size takes all of it, so this can exceed the bytes the step's tensors
     asked for (and ``plan()``'s prediction, which counts those), by what the
-    allocator held before; :func:`peak_memory` sums the requests.
+    allocator held before; :func:`peak_memory` sums the requests.  Logical CPUs
+    (``tf.config.set_logical_device_configuration``) share one allocator: each of them
+    gives the peak of all together.  A step whose every buffer is smaller than 256 KiB
+    measures 0 on CPU, and a WARNING says why.
     """
     device = device or default_device()
     try:
@@ -62,7 +66,13 @@ def peak_memory_during(run: Callable[[], object], device: str | None = None) -> 
         ) from error
     start = tf.config.experimental.get_memory_info(device)["current"]
     run()
-    return max(0, tf.config.experimental.get_memory_info(device)["peak"] - start)
+    peak = max(0, tf.config.experimental.get_memory_info(device)["peak"] - start)
+    if not peak and "CPU" in device.upper():
+        notices.logger.warning(
+            "peak_memory_during measured 0 bytes on %s: its allocator's statistics count "
+            "only buffers of 256 KiB and more, so a step of smaller tensors reads 0. Measure "
+            "a traced tf.compat.v1 Session.run with peak_memory(run_metadata) instead.", device)
+    return peak
 
 
 def allocation_records(run_metadata: tf.compat.v1.RunMetadata) -> dict[str, list[tuple[int, int]]]:

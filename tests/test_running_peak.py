@@ -38,3 +38,22 @@ def test_peaks_by_allocator_and_by_device():
     # one allocator shared by two devices: their records interleave in time
     assert profiling.peak_memory(metadata) == {"cpu": 96, "mklcpu": 8}
     assert profiling.peak_memory_by_device(metadata) == {"CPU:0": 64, "CPU:1": 40}
+
+
+def test_a_step_of_buffers_under_256_kib_measures_0_and_says_why(caplog):
+    """The CPU allocator's statistics count buffers of 256 KiB and more: a step of
+    smaller tensors reads 0, which peak_memory_during returned without a word (a
+    helper's trial: a width-64 MLP at batch 512).  A large buffer reads its size."""
+    import logging
+
+    small = tf.function(lambda x: tf.reduce_sum(tf.tanh(x) * 2.0))
+    large = tf.function(lambda x: tf.reduce_sum(tf.tanh(x) * 2.0))
+    x_small, x_large = tf.ones([64, 64]), tf.ones([1024, 1024])
+    small(x_small), large(x_large)
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        assert profiling.peak_memory_during(lambda: small(x_small), "CPU:0") == 0
+        said = [r.getMessage() for r in caplog.records]
+        assert any("measured 0 bytes" in m and "256 KiB" in m for m in said), said
+        caplog.clear()
+        assert profiling.peak_memory_during(lambda: large(x_large), "CPU:0") >= 4 * 2**20
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
