@@ -204,7 +204,7 @@ def autograph_origin(filename: str, lineno: int) -> tuple | None:
         return None
     try:
         found = stack[-1].get_effective_source_map().get((filename, lineno))
-    except Exception:  # noqa: BLE001 -- a private map: no origin rather than an error
+    except Exception:  # a private map: no origin rather than an error
         return None
     return (found[0], found[1]) if found else None
 

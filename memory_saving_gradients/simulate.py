@@ -887,6 +887,26 @@ class _Gradients:
         self.timeline.reads.append((step, keys[0]))
         return True
 
+    def sum_since(self, first: int) -> None:
+        """Sums, per tensor, the contributions made since key number ``first`` (one
+        step's ``tf.gradients`` call, which returns one gradient per input): they are held
+        until the last of them is made, then one buffer of their sum replaces them.  Held
+        apart, a kept tensor read by three ops of each of eight overlapping steps counted
+        24 gradients where the step held 8."""
+        buffers = self.timeline.buffers
+        for ref, keys in self.pending.items():
+            new = [key for key in keys if key[1] >= first]
+            if len(new) < 2:
+                continue
+            rows = [buffers[key] for key in new]
+            summed = max(row[0] for row in rows)
+            for row in rows:
+                row[1] = summed
+            key = ("grad", self.count)
+            self.count += 1
+            self.timeline.alloc(key, _sum_bytes(rows), summed)
+            self.pending[ref] = [k for k in keys if k[1] < first] + [key]
+
     def finish(self, keep: bool = True, results=None) -> None:
         """Gradients never consumed (those of xs): fetched (kept to the end) or used at once.
 
@@ -904,10 +924,15 @@ class _Gradients:
             if len(buffers) == 1:
                 buffers[0][1] = _END if fetched else summed
             elif fetched:
-                sizes = {buffer[2] for buffer in buffers}
-                total = sizes.pop() if len(sizes) == 1 else sum(b[2] for b in buffers)
-                self.timeline.alloc(("sum", ref), total, summed)
+                self.timeline.alloc(("sum", ref), _sum_bytes(buffers), summed)
                 self.timeline.buffers[("sum", ref)][1] = _END
+
+
+def _sum_bytes(buffers) -> int:
+    """The bytes of the sum of gradient contributions (timeline rows): one's, where all
+    have one size; else all of theirs (parts of different shapes: an upper bound)."""
+    sizes = {buffer[2] for buffer in buffers}
+    return sizes.pop() if len(sizes) == 1 else sum(buffer[2] for buffer in buffers)
 
 
 def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=lambda k: k):
@@ -1132,6 +1157,7 @@ class _Replay:
             first = self.step + 1
             self._recompute(segment.ops, index, rename, inside)
         position = {op: i for i, op in enumerate(segment.ops)} if recompute else {}
+        first_gradient = self.grads.count
         for op in reversed(segment.ops):
             self.step += 1
             if self.gates is not None and recompute and self._is_gated_product(op, inside):
@@ -1139,6 +1165,9 @@ class _Replay:
             if _backward_op(op, self.step, self.timeline, self.grads, self.region,
                             self.xs_refs, self.size, self.memo, rename):
                 self.differentiated[op] += 1
+        if backward_step.handling != schedule_lib.IN_PLACE:
+            # one tf.gradients call: it sums the contributions to each of its inputs
+            self.grads.sum_since(first_gradient)
         if recompute:  # the recomputation and the gradients: an early op may span both
             self.windows[index] = (first, self.step)
 

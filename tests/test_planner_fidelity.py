@@ -238,3 +238,57 @@ def test_the_sums_of_a_weights_gradients_run_when_their_parts_are_made():
     assert the_plan.checkpoints, summary
     assert ours <= 1.05 * predicted, summary
     assert ours <= 1.15 * plain, summary
+
+
+def _inception_like_blocks(blocks=6, channels=32, batch=8, size=16):
+    """Blocks of four conv-BN-ReLU branches (1, 2 and 5 long, and one after an average
+    pool), concatenated; returns (loss, weights, every layer's output in order)."""
+    rng = np.random.default_rng(0)
+    layers, weights = [], []
+
+    def variable(*shape):
+        weights.append(tf.Variable(
+            (rng.normal(size=shape) / np.sqrt(np.prod(shape[:-1]))).astype("float32")))
+        return weights[-1]
+
+    def conv_bn_relu(h, kernel, out):
+        conv = tf.nn.conv2d(h, variable(kernel, kernel, int(h.shape[-1]), out), 1, "SAME")
+        normed, *_ = tf.raw_ops.FusedBatchNormV3(
+            x=conv, scale=variable(out), offset=variable(out), mean=tf.zeros([out]),
+            variance=tf.ones([out]), is_training=True)
+        layers.extend([conv, normed, tf.nn.relu(normed)])
+        return layers[-1]
+
+    h = conv_bn_relu(tf.constant(rng.normal(size=(batch, size, size, 3)).astype("float32")),
+                     3, channels)
+    quarter = channels // 4
+    for _ in range(blocks):
+        long = conv_bn_relu(h, 1, quarter)
+        for _ in range(4):
+            long = conv_bn_relu(long, 3, quarter)
+        pooled = tf.nn.avg_pool2d(h, 3, 1, "SAME")
+        layers.append(pooled)
+        h = tf.concat([conv_bn_relu(h, 1, quarter),
+                       conv_bn_relu(conv_bn_relu(h, 1, quarter), 3, quarter), long,
+                       conv_bn_relu(pooled, 1, quarter)], -1)
+        layers.append(h)
+    logits = tf.matmul(tf.reduce_mean(h, [1, 2]), variable(channels, 10))
+    return tf.reduce_sum(tf.nn.log_softmax(logits)[:, 0]), weights, layers
+
+
+@pytest.mark.memory
+def test_a_list_whose_segments_overlap_is_planned_as_measured(graph, measure_peak):
+    """Every 11th layer's output of Inception-like blocks, none of them a block's output:
+    each kept tensor's segment reaches back across blocks and the segments overlap.  A
+    step's tf.gradients call sums its contributions to each of its inputs; the memory
+    model held them apart until the input's producer ran (24 gradients of one kept
+    tensor where the step held 8), and predicted 9.44 MB against 5.93 measured.  Within
+    10% now (5.81 predicted)."""
+    loss, weights, layers = _inception_like_blocks()
+    kept = layers[5:-1:11]
+    the_plan = msg.plan(loss, weights, checkpoints=kept)
+    ours, _ = measure_peak(msg.gradients(loss, weights, checkpoints=kept))
+    plain, _ = measure_peak(tf.compat.v1.gradients(loss, weights))
+    said = f"measured {ours / 2**20:.2f} MB, plain {plain / 2**20:.2f}\n{the_plan}"
+    assert abs(the_plan.predicted_peak_bytes / ours - 1) <= 0.1, said
+    assert ours < 0.7 * plain, said
