@@ -190,11 +190,17 @@ def _planned_train_function(model: object) -> bool:
     return False
 
 
+_rewrites_lock = threading.Lock()
+_rewrites_in: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> count
+
+
 def rewrote(plan: Plan, graph: tf.Graph) -> None:
     """Log one INFO line for a rewritten backward pass and keep its plan."""
     record = current()
     if record is not None:
         record.plans.append(plan)
+    with _rewrites_lock:  # replicas' gradients are built on threads of their own
+        count = _rewrites_in[graph] = _rewrites_in.get(graph, 0) + 1
     if not logger.isEnabledFor(logging.INFO):
         return
     mb = MIB
@@ -206,6 +212,8 @@ def rewrote(plan: Plan, graph: tf.Graph) -> None:
             graphs.append(id(graph))
         if len(graphs) > 1:
             again = f" (traced again by TensorFlow: trace {graphs.index(id(graph)) + 1})"
+    if count > 1:  # micro-batches' tapes, replicas: one line each
+        again += f" (backward pass {count} in this graph)"
     in_step = (f" ({plan.in_step_ratio:.2f}x in a step that applies each gradient as it "
                f"is made)" if plan.in_step_differs() else "")
     logger.info(

@@ -449,6 +449,28 @@ def test_a_model_called_as_a_tf_function_is_kept_whole_and_its_python_function_i
     assert _recomputes(graph) > 0
 
 
+def test_each_backward_pass_of_one_graph_gets_its_own_info_line(weights, x, caplog):
+    """Gradient accumulation over micro-batches builds one backward pass per tape in one
+    graph: the INFO lines were identical, with nothing to tell them apart.  The second
+    and later name their place in the graph."""
+    import logging
+
+    def accumulated(x):
+        total = [tf.zeros_like(w) for w in weights]
+        for part in tf.split(x, 2):
+            with tf.GradientTape() as tape:
+                loss = _forward(weights, part)
+            total = [t + g for t, g in zip(total, tape.gradient(loss, weights))]
+        return total
+
+    with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
+        want, got, graph = _both(accumulated, x)
+    _close(got, want)
+    lines = [r.getMessage() for r in caplog.records if "rewrote the gradients" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "backward pass" not in lines[0] and "(backward pass 2 in this graph)" in lines[1], lines
+
+
 def test_a_warning_from_a_step_traced_on_a_thread_of_its_own_names_the_users_line():
     """A tf.distribute replica's function is traced on a thread of its own, where no
     frame of the user's calls the library: its warnings were reported at threading.py
