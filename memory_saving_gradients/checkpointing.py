@@ -129,11 +129,21 @@ def gradients(
         raise
 
 
+#: Said where gradients() gets an unknown strategy name: its fourth argument is
+#: ``checkpoints``, as in the original tool, where ``tf.gradients``' is ``name``.
+_POSITIONAL_HINT = (
+    "gradients()' fourth argument is checkpoints, where tf.compat.v1.gradients' is name: "
+    "pass name= and what follows it by keyword, or call gradients_memory, gradients_speed "
+    "or gradients_collection, which take tf.compat.v1.gradients' arguments in its order.")
+
+
 def _gradients(
     ys, xs, grad_ys, checkpoints, name, colocate_gradients_with_ops, gate_gradients,
     aggregation_method, stop_gradients, unconnected_gradients, memory_budget, batch_size,
 ) -> list:
     """:func:`gradients` once it is known to run on a graph."""
+    if isinstance(checkpoints, str):
+        strategies.get(checkpoints, hint=_POSITIONAL_HINT)
     check_arguments(checkpoints, dict(memory_budget=memory_budget, batch_size=batch_size,
                                       aggregation_method=aggregation_method,
                                       unconnected_gradients=unconnected_gradients))
@@ -448,23 +458,24 @@ def _option_names(passed_by_caller) -> list:
 
 
 def _check_option_values(checkpoints, memory_budget, batch_size) -> None:
-    if batch_size is not None and (
-        isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
-        or batch_size < 1
-    ):
-        raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}.")
+    """TypeError for a ``batch_size`` or ``memory_budget`` that is no number of the
+    kind, ValueError for one out of range (and a budget with a strategy that takes none)."""
+    if batch_size is not None:
+        wrong_type = isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+        if wrong_type or batch_size < 1:
+            raise (TypeError if wrong_type else ValueError)(
+                f"batch_size must be a positive integer; got {batch_size!r}.")
     if memory_budget is not None:
         if checkpoints != "memory":
             raise ValueError(
                 f"memory_budget is used with checkpoints='memory', not {checkpoints!r}."
             )
-        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real) or not (
-            memory_budget > 0
-        ):
-            raise ValueError(
-                f"memory_budget must be a positive number of bytes; got {memory_budget!r} "
-                "(e.g. memory_budget=20 * 2**20 for 20 MiB, which the library's figures "
-                "call 20 MB)."
+        wrong_type = isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Real)
+        if wrong_type or not 0 < memory_budget < float("inf"):
+            raise (TypeError if wrong_type else ValueError)(
+                f"memory_budget must be a positive, finite number of bytes; got "
+                f"{memory_budget!r} (e.g. memory_budget=20 * 2**20 for 20 MiB, which the "
+                "library's figures call 20 MB)."
             )
 
 
@@ -589,22 +600,41 @@ def _no_checkpoints_argument(function: str, kwargs: dict) -> None:
         )
 
 
-def gradients_collection(ys: TensorOrList, xs: Sources, grad_ys: GradYs = None, **kwargs: Any) -> list:
-    """``gradients`` with the tensors of the collection ``'checkpoints'``."""
-    _no_checkpoints_argument("gradients_collection", kwargs)
-    return gradients(ys, xs, grad_ys, checkpoints="collection", **kwargs)
+def _strategy_entry(strategy: str, entry_name: str, summary: str) -> Callable[..., list]:
+    """``gradients`` with ``checkpoints=strategy``, taking ``tf.compat.v1.gradients``'
+    arguments in its order, so that it can stand in for ``tf.gradients`` itself."""
+
+    def entry(
+        ys: TensorOrList,
+        xs: Sources,
+        grad_ys: GradYs = None,
+        name: str = "gradients",
+        colocate_gradients_with_ops: bool = False,
+        gate_gradients: bool = False,
+        aggregation_method: int | None = None,
+        stop_gradients: TensorOrList | None = None,
+        unconnected_gradients: tf.UnconnectedGradients | str = tf.UnconnectedGradients.NONE,
+        **kwargs: Any,
+    ) -> list:
+        _no_checkpoints_argument(entry_name, kwargs)
+        return gradients(
+            ys, xs, grad_ys, strategy, name, colocate_gradients_with_ops, gate_gradients,
+            aggregation_method, stop_gradients, unconnected_gradients, **kwargs)
+
+    entry.__name__ = entry.__qualname__ = entry_name
+    entry.__doc__ = (
+        f"{summary}\n\n``gradients(..., checkpoints={strategy!r})`` with the arguments of "
+        "``tf.compat.v1.gradients``, in its order (so that it can replace ``tf.gradients``; "
+        "``memory_budget=`` and ``batch_size=`` by keyword).")
+    return entry
 
 
-def gradients_memory(ys: TensorOrList, xs: Sources, grad_ys: GradYs = None, **kwargs: Any) -> list:
-    """``gradients`` with ``checkpoints='memory'``: bottlenecks chosen for the least peak."""
-    _no_checkpoints_argument("gradients_memory", kwargs)
-    return gradients(ys, xs, grad_ys, checkpoints="memory", **kwargs)
-
-
-def gradients_speed(ys: TensorOrList, xs: Sources, grad_ys: GradYs = None, **kwargs: Any) -> list:
-    """``gradients`` with ``checkpoints='speed'``: keep convolution and matmul outputs."""
-    _no_checkpoints_argument("gradients_speed", kwargs)
-    return gradients(ys, xs, grad_ys, checkpoints="speed", **kwargs)
+gradients_collection = _strategy_entry(
+    "collection", "gradients_collection", "``gradients`` with the tensors of the collection ``'checkpoints'``.")
+gradients_memory = _strategy_entry(
+    "memory", "gradients_memory", "``gradients`` with ``checkpoints='memory'``: bottlenecks chosen for the least peak.")
+gradients_speed = _strategy_entry(
+    "speed", "gradients_speed", "``gradients`` with ``checkpoints='speed'``: keep convolution and matmul outputs.")
 
 
 def choose_checkpoints(

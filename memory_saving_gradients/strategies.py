@@ -46,13 +46,15 @@ def available() -> list:
     return sorted(_STRATEGIES)
 
 
-def get(name: str) -> Strategy:
+def get(name: str, hint: str = "") -> Strategy:
+    """The strategy registered as ``name``; ValueError naming the known ones (and
+    ``hint``, a sentence) for any other."""
     try:
         return _STRATEGIES[name]
     except KeyError:
         raise ValueError(
             f"Unknown checkpoint strategy {name!r}. Use one of {available()}, "
-            "or pass a list of tensors."
+            f"or pass a list of tensors.{' ' + hint if hint else ''}"
         ) from None
 
 

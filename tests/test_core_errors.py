@@ -86,6 +86,33 @@ def test_unknown_strategy_name(model, unchanged):
 
 
 @pytest.mark.unit
+def test_a_name_where_gradients_takes_checkpoints_says_so(model, unchanged):
+    """gradients()' fourth argument is checkpoints (as in the original tool), where
+    tf.compat.v1.gradients' is name: a call in TensorFlow's order says so."""
+    call_fails(ValueError, ["'mygrads'", "fourth argument is checkpoints", "gradients_memory"],
+               model.loss, model.inputs, None, "mygrads")
+
+
+@pytest.mark.parametrize("entry", ["gradients_memory", "gradients_speed", "gradients_collection"])
+def test_the_strategy_entry_points_take_tf_gradients_arguments_in_its_order(graph, entry):
+    """gradients_memory & co. stand in for tf.gradients (``tf.__dict__['gradients'] =
+    gradients_memory``), so a call in tf.compat.v1.gradients' order works: they took
+    only ys, xs and grad_ys positionally."""
+    model = chain.build_tanh_chain(n=6, size=8, add_to_collection=True)
+    x = model.inputs[0]
+    ours = getattr(msg, entry)(model.loss, [x], None, "mine", True, True,
+                               tf.AggregationMethod.ADD_N, None, "zero")
+    want = tf.compat.v1.gradients(model.loss, [x], None, "theirs", True, True,
+                                  tf.AggregationMethod.ADD_N, None, "zero")
+    assert ours[0].name.startswith("mine"), ours[0].name
+    with tf.compat.v1.Session() as session:
+        got, expected = session.run([ours, want], model.feed_dict)
+    np.testing.assert_allclose(got[0], expected[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="chooses its checkpoints itself"):
+        getattr(msg, entry)(model.loss, [x], checkpoints=[model.units[2]])
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("which", ["xs", "ys", "outside", "all_three"])
 def test_explicit_list_with_no_usable_tensor(model, outside, unchanged, which):
     """xs, ys, and tensors not between them are unusable; a list of only those is an error."""

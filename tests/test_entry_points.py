@@ -85,6 +85,10 @@ MISTAKES = [
     (dict(checkpoints="memory", memory_budget=-1), ValueError, "memory_budget must be a positive"),
     (dict(checkpoints="speed", memory_budget=2**20), ValueError, "memory_budget is used with"),
     (dict(checkpoints="memory", batch_size=0), ValueError, "batch_size must be a positive integer"),
+    (dict(checkpoints="memory", memory_budget=float("inf")), ValueError,
+     "memory_budget must be a positive, finite"),
+    (dict(checkpoints="memory", memory_budget="50MB"), TypeError, "memory_budget must be a positive"),
+    (dict(checkpoints="memory", batch_size="8"), TypeError, "batch_size must be a positive integer"),
 ]
 
 
