@@ -30,13 +30,12 @@ The library itself never calls through these names: it uses TensorFlow's own
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import functools
 import importlib
 import logging
 import sys
 import threading
-from typing import Any, Callable, ContextManager, Iterator, Union
+from typing import Any, Callable, ContextManager, Union
 
 from . import _tensorflow as _tf_internals
 from . import reporting, tape_hooks
@@ -229,6 +228,7 @@ class Patch:
         # (module, attribute) -> (what was there before, what we put there)
         self._slots: dict = {}
         self.active = False
+        self._entered = 0  # open ``with`` blocks on this handle
 
     def _apply(self) -> None:
         attribute = "gradients"
@@ -305,10 +305,23 @@ class Patch:
             logger.debug("patch(%r) undone", self.checkpoints)
 
     def __enter__(self) -> "Patch":
+        if not self.active:
+            raise RuntimeError(
+                f"{self!r} was undone and cannot be entered again: patch() or patched() "
+                "makes a new one.")
+        self._entered += 1
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.undo()
+    def __exit__(self, error_type, *rest: object) -> None:
+        """Undoes the patch when the outermost ``with`` block on it ends; where the block
+        raised, its error says what happened: no "rewrote nothing" warning beside it."""
+        self._entered -= 1
+        if self._entered:
+            return
+        if error_type is None:
+            self.undo()
+        else:
+            self._restore()
 
     def __repr__(self) -> str:
         state = "active" if self.active else "undone"
@@ -356,7 +369,7 @@ def patched(checkpoints: PatchCheckpoints = "memory", tape: bool = True,
     """
     checkpoints = _as_checkpoints(checkpoints)
     _check(checkpoints, tape, options)
-    return _patched(checkpoints, tape, options)
+    return _PatchedBlocks(checkpoints, tape, options)
 
 
 def _as_checkpoints(checkpoints: Any) -> str | list:
@@ -366,23 +379,28 @@ def _as_checkpoints(checkpoints: Any) -> str | list:
         return [checkpoints]
     if isinstance(checkpoints, str):
         return checkpoints
-    if not isinstance(checkpoints, collections.abc.Iterable):
+    if (not isinstance(checkpoints, collections.abc.Iterable)
+            or isinstance(checkpoints, (bytes, bytearray, collections.abc.Mapping))):
         raise not_checkpoints_error(checkpoints)
     return list(checkpoints)
 
 
-@contextlib.contextmanager
-def _patched(checkpoints, tape: bool, options: dict) -> Iterator[Patch]:
-    handle = patch(checkpoints, tape, **options)
-    finished = False
-    try:
-        yield handle
-        finished = True
-    finally:
-        if finished:
-            handle.undo()
-        else:  # the block's error says what happened: no "rewrote nothing" beside it
-            handle._restore()
+class _PatchedBlocks:
+    """What :func:`patched` returns: each ``with`` block on it applies a new
+    :func:`patch` and undoes it when the block ends (so that it can be entered again,
+    and nested)."""
+
+    def __init__(self, checkpoints, tape: bool, options: dict):
+        self._arguments = (checkpoints, tape, options)
+        self._handles: list = []
+
+    def __enter__(self) -> Patch:
+        checkpoints, tape, options = self._arguments
+        self._handles.append(patch(checkpoints, tape, **options).__enter__())
+        return self._handles[-1]
+
+    def __exit__(self, *error: object) -> None:
+        self._handles.pop().__exit__(*error)
 
 
 def _check(checkpoints, tape: bool, options: dict) -> None:

@@ -124,6 +124,56 @@ def test_patched_context_manager_restores_after_an_error():
     _assert_original()
 
 
+def test_a_patch_handle_in_with_blocks_undoes_once_at_the_outermost_and_quietly_on_error():
+    """A ``patch()`` handle in nested ``with`` blocks was undone when the inner one
+    ended; entered once undone it patched nothing without a word; a block that raised
+    warned "rewrote nothing" beside the error (``patched()`` did not)."""
+    import warnings
+
+    handle = msg.patch(STRATEGY)
+    with handle:
+        with handle:
+            pass
+        assert handle.active and tf.compat.v1.gradients is handle.replacements["v1"]
+        with pytest.raises(KeyError), warnings.catch_warnings():
+            warnings.simplefilter("error", msg.NothingRewrittenWarning)
+            with handle:
+                raise KeyError("boom")
+    assert not handle.active
+    _assert_original()
+    with pytest.raises(RuntimeError, match="was undone"):
+        with handle:
+            pass
+    _assert_original()
+
+
+def test_a_patched_block_can_be_entered_again_and_nested():
+    """``patched()`` returned a one-shot generator: entering it again raised an
+    AttributeError from contextlib.  Each ``with`` applies a patch of its own."""
+    import warnings
+
+    block = msg.patched(STRATEGY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", msg.NothingRewrittenWarning)
+        with block as first:
+            with block as second:
+                assert first is not second and second.active
+            assert first.active and not second.active
+        assert not first.active
+        with block as third:
+            assert third.active
+    _assert_original()
+
+
+@pytest.mark.parametrize("bad", [b"memory", {"a": 1}], ids=["bytes", "dict"])
+def test_patch_says_what_it_got_for_bytes_or_a_dict(bad):
+    """``patch(tape=False)`` listed the bytes' numbers or the dict's keys and named
+    the first ("got int 109"); it names what was passed, as gradients() does."""
+    with pytest.raises(TypeError, match=type(bad).__name__):
+        msg.patch(bad, tape=False)
+    _assert_original()
+
+
 def test_undo_restores_a_user_function_that_was_there_before():
     def mine(*args, **kwargs):
         return gradients_impl.gradients(*args, **kwargs)
