@@ -199,12 +199,10 @@ def autograph_origin(filename: str, lineno: int) -> tuple | None:
     """``(filename, lineno)`` of the user's line that a line of code autograph generated
     came from, by the source map of the conversion running on this thread (the one
     TensorFlow's own tracebacks use); None where none maps it."""
-    stack = _tf_stack._source_mapper_stacks.get(threading.get_ident())
-    if not stack:
-        return None
-    try:
-        found = stack[-1].get_effective_source_map().get((filename, lineno))
-    except Exception:  # a private map: no origin rather than an error
+    try:  # a private map: no origin rather than an error, should TensorFlow change it
+        stack = _tf_stack._source_mapper_stacks.get(threading.get_ident())
+        found = stack[-1].get_effective_source_map().get((filename, lineno)) if stack else None
+    except Exception:
         return None
     return (found[0], found[1]) if found else None
 

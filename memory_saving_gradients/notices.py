@@ -109,11 +109,16 @@ def warn(message: str, category: type[Warning]) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
+#: Modules whose frames start a thread or run a pool's work items.
+_THREAD_STARTERS = ("threading", "concurrent.futures")
+
+
 def _starts_a_thread(frame) -> bool:
-    """Whether ``frame`` and every frame below it is the threading module's (the start
-    of a thread): no caller of the user's there."""
+    """Whether ``frame`` and every frame below it start a thread (the threading module,
+    a ``concurrent.futures`` pool's worker): no caller of the user's there."""
     while frame is not None:
-        if frame.f_globals.get("__name__") != "threading":
+        name = frame.f_globals.get("__name__") or ""
+        if not name.startswith(_THREAD_STARTERS):
             return False
         frame = frame.f_back
     return True

@@ -43,7 +43,9 @@ class Plan:
         gradients runs fewer, since grappler then prunes the forward ops above the
         last checkpoint, which only their copies feed.
       batch: on a graph with unknown dimensions (an unknown batch), the batch the
-        two peaks above are predicted at; None when every shape is known.
+        two peaks above are predicted at; None when every shape is known, or every
+        unknown one is bounded by a known tensor (a slice of it; the assumptions name
+        the bound).
         :meth:`peak_at` and :meth:`largest_batch` answer for any batch.
       predicted_step_ratio: the time model's (:mod:`.timing`) time of the forward and
         backward pass with this plan's recomputation over plain ``tf.gradients``' (the
@@ -101,7 +103,8 @@ class Plan:
 
     @property
     def batch_known(self) -> bool:
-        """Whether the graph's shapes are fully known (then peaks do not depend on a batch)."""
+        """Whether the peaks do not depend on a batch: the graph's shapes are fully known,
+        or bounded by known tensors."""
         return self.batch is None
 
     def peak_at(self, batch: int, plain: bool = False, in_step: bool = False) -> int:

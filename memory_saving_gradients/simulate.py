@@ -110,6 +110,11 @@ _PRODUCTS = {"MatMul": ("transpose_a", "transpose_b"),
 #: before the first dimension of a dynamic partition's data not in its partitions).
 _DATA_BOUNDED = frozenset({"Where", "Unique", "UniqueWithCounts", "DynamicPartition"})
 
+#: Ops that can make a dimension larger than their input's: a concat along its axis, a
+#: tile, a pad.  Their unknown dimensions are worked out (:meth:`Sizer._grown_shape`),
+#: never lent from an input.
+_GROWING = frozenset({"ConcatV2", "Tile", "Pad", "PadV2", "MirrorPad"})
+
 #: Gathers: the params' dimensions around the indices' (a boolean mask gathers the rows
 #: a ``Where`` found).
 _GATHERS = frozenset({"Gather", "GatherV2", "GatherNd"})
@@ -130,11 +135,10 @@ class Sizer:
         self.unknown_dim = unknown_dim
         self.stated = stated  # unknown_dim is the batch_size= the caller passed
         self.assumed: set = set()  # names of tensors sized with unknown_dim
-        self.bounded: dict = {}  # name -> estimate, of those sized from known tensors alone
+        self.bounded: dict = {}  # name -> (static shape, estimate): sized from known tensors alone
         self._frames: list = []  # per shape being estimated: whether unknown_dim was used
         self._bytes: dict = {}
         self._shapes: dict = {}
-        self._values: dict = {}  # shape tensors' values (shape_values.evaluate)
         self._costs: dict = {}
         self._scratch: dict = {}  # (id(op), gradient) -> (op, bytes): kernel workspaces
         self._per_region: dict = {}  # (id(region), key) -> (region, value)
@@ -224,6 +228,9 @@ class Sizer:
             bounded = self._data_bounded_shape(op, dims, depth)
             if bounded is not None:
                 return bounded
+        if op.type in _GROWING and len(inputs) >= 2:
+            grown = None if deep else self._grown_shape(op, dims, depth)
+            return grown or [self._fallback() if d is None else d for d in dims]
         if op.type in _GATHERS and len(inputs) >= 2 and not deep:
             gathered = self._gathered_shape(op, dims, depth)
             if gathered is not None:
@@ -273,6 +280,37 @@ class Sizer:
         if len(source) != len(dims):
             return None
         return [source[i] if d is None else d for i, d in enumerate(dims)]
+
+    def _grown_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
+        """The unknown dimensions of a :data:`_GROWING` op: a concat's along its axis the
+        sum of its inputs', its others as its first input's; a tile's its input's times
+        the multiple; a pad's its input's plus the padding.  None where the axis, the
+        multiples or the padding are not known when the graph is built."""
+        if op.type == "ConcatV2":
+            axis = tf.get_static_value(op.inputs[-1])
+            parts = [self.shape(t, depth + 1) for t in op.inputs[:-1]]
+            if axis is None or np.ndim(axis) or any(p is None or len(p) != len(dims)
+                                                    for p in parts):
+                return None
+            axis = int(axis) % len(dims)
+            return [d if d is not None else (sum(p[i] for p in parts) if i == axis
+                                             else parts[0][i])
+                    for i, d in enumerate(dims)]
+        source = self.shape(op.inputs[0], depth + 1)
+        if source is None or len(source) != len(dims):
+            return None
+        if op.type == "Tile":
+            multiples = shape_values.evaluate(
+                op.inputs[1], lambda t: self.shape(t, depth + 1), {}, ESTIMATE_DEPTH - depth)
+            if not isinstance(multiples, list) or len(multiples) != len(dims):
+                return None
+            return [d if d is not None else source[i] * int(multiples[i])
+                    for i, d in enumerate(dims)]
+        padding = tf.get_static_value(op.inputs[1])
+        if padding is None or np.shape(padding) != (len(dims), 2):
+            return None
+        return [d if d is not None else source[i] + int(np.sum(padding[i]))
+                for i, d in enumerate(dims)]
 
     def _data_bounded_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
         """The leading dimension of an output whose rows depend on the values (a
@@ -344,8 +382,10 @@ class Sizer:
         if block is None:  # the block's size is an attribute, per spatial dimension
             count = int(op.get_attr("block_size")) ** 2
         else:
+            # a fresh cache each time: a value remembered across calls would not say
+            # whether it counted the unknown size (see _used_unknown)
             value = shape_values.evaluate(op.inputs[block], lambda t: self.shape(t, depth + 1),
-                                          self._values, ESTIMATE_DEPTH - depth)
+                                          {}, ESTIMATE_DEPTH - depth)
             if not isinstance(value, list) or not value:
                 return None
             count = int(np.prod([int(d) for d in value], dtype=np.float64))
@@ -360,7 +400,7 @@ class Sizer:
         what its input's elements leave over.  None where it cannot be worked out."""
         value = shape_values.evaluate(
             op.inputs[_SHAPE_INPUT[op.type]], lambda t: self.shape(t, depth + 1),
-            self._values, ESTIMATE_DEPTH - depth)
+            {}, ESTIMATE_DEPTH - depth)
         if not isinstance(value, list) or len(value) != len(dims):
             return None
         target = [int(d) for d in value]
@@ -892,7 +932,7 @@ class _Gradients:
         step's ``tf.gradients`` call, which returns one gradient per input): they are held
         until the last of them is made, then one buffer of their sum replaces them.  Held
         apart, a kept tensor read by three ops of each of eight overlapping steps counted
-        24 gradients where the step held 8."""
+        24 gradients where the steps held 8."""
         buffers = self.timeline.buffers
         for ref, keys in self.pending.items():
             new = [key for key in keys if key[1] >= first]

@@ -281,9 +281,9 @@ def test_a_list_whose_segments_overlap_is_planned_as_measured(graph, measure_pea
     """Every 11th layer's output of Inception-like blocks, none of them a block's output:
     each kept tensor's segment reaches back across blocks and the segments overlap.  A
     step's tf.gradients call sums its contributions to each of its inputs; the memory
-    model held them apart until the input's producer ran (24 gradients of one kept
-    tensor where the step held 8), and predicted 9.44 MB against 5.93 measured.  Within
-    10% now (5.81 predicted)."""
+    model held them apart until the input's producer ran (in a helper's variant, 24
+    gradients of one kept tensor where the step held 8), and predicted 6.88 MB against
+    5.60 measured (1.23x).  Within 10% now (5.43 predicted, 5.53 measured)."""
     loss, weights, layers = _inception_like_blocks()
     kept = layers[5:-1:11]
     the_plan = msg.plan(loss, weights, checkpoints=kept)

@@ -334,6 +334,34 @@ def test_autograph_staging_traces_are_told_from_real_ones():
     assert not shim.in_autograph_staging_trace()
 
 
+def test_autograph_origin_maps_a_converted_line_to_the_users():
+    """The source map of the conversion running on this thread (tf_stack's private
+    stacks) names the user's line of a line autograph generated; outside a conversion,
+    and for a line it did not generate, there is none."""
+    import sys
+
+    found = []
+
+    @tf.autograph.experimental.do_not_convert
+    def converted_frame():
+        frame = sys._getframe(1)  # autograph calls this through its own frames
+        while "__autograph_generated" not in frame.f_code.co_filename:
+            frame = frame.f_back
+        return frame
+
+    def step(x):
+        frame = converted_frame()
+        found.append(shim.autograph_origin(frame.f_code.co_filename, frame.f_lineno))
+        return x * 2.0
+
+    tf.function(step)(tf.constant(1.0))
+    lines, first = __import__("inspect").getsourcelines(step)
+    # the frame's line is read where autograph_origin is called
+    expected = first + next(i for i, line in enumerate(lines) if "found.append" in line)
+    assert found == [(__file__, expected)], found
+    assert shim.autograph_origin(__file__, 1) is None
+
+
 def test_an_op_is_preserved_from_grappler():
     """The attribute grappler reads (``GrapplerItem::NodesToPreserve``) is set, and
     the op still runs."""

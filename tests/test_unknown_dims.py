@@ -590,3 +590,38 @@ def test_a_plan_whose_unknown_sizes_known_tensors_bound_assumes_no_batch():
     fed.get_concrete_function(inputs, tf.TensorSpec([None, 256], tf.float32))
     assert found["fed"].batch == 32 and found["fed"].depends_on_batch, found["fed"]
     assert "counted as 32" in str(found["fed"]), found["fed"]
+
+
+def test_ops_that_grow_a_dimension_are_sized_and_not_called_bounded_by_their_input():
+    """A concat along the unknown axis, a tile and a pad were sized as their first input
+    (the same rank, unknown at the same place), so a concat of three slices of a known
+    tensor counted one, and a tile by a size known only at run time was called bounded.
+    Their dimensions follow from the axis, the multiples and the padding; what does not
+    is counted as the unknown size and said so.  A shape value remembered from one
+    tensor's estimate no longer lets the next one pass as bounded."""
+    from memory_saving_gradients import simulate
+
+    with tf.Graph().as_default():
+        known = tf.ones([1024, 256])
+        n = tf.compat.v1.placeholder(tf.int32, [])
+        fed = tf.compat.v1.placeholder(tf.float32, [None, 256])
+        cases = {
+            "concat of slices": (tf.concat([known[:n]] * 3, 0), [3072, 256], "bounded"),
+            "tile by 2": (tf.tile(known[:n], [2, 1]), [2048, 256], "bounded"),
+            "pad": (tf.pad(known[:n], [[1, 2], [0, 0]]), [1027, 256], "bounded"),
+            "tile by n": (tf.tile(known[:n], [n, 1]), [32, 256], "assumed"),
+            "concat of fed": (tf.concat([fed, fed], 0), [64, 256], "assumed"),
+            "features of fed": (tf.concat([fed, fed], 1), [32, 512], "assumed"),
+        }
+        for name, (tensor, shape, kind) in cases.items():
+            size = simulate.Sizer(32)
+            size(tensor)
+            assert size.shape(tensor) == shape, (name, size.shape(tensor))
+            said = size.assumed if kind == "assumed" else size.bounded
+            assert tensor.name in said, (name, size.assumed, size.bounded)
+        size = simulate.Sizer(32)
+        target = tf.shape(fed)  # one shape tensor: its value was remembered
+        first = tf.reshape(known[:n], target)
+        second = tf.reshape(known[:n] * 2.0, target)
+        size(first), size(second)
+        assert {first.name, second.name} <= size.assumed, (size.assumed, size.bounded)
