@@ -85,8 +85,9 @@ def enable(model: Model, checkpoints: str = "memory", **options: Any) -> Model:
             )
     if not isinstance(checkpoints, str):
         raise TypeError(
-            "enable() takes a strategy name (e.g. 'memory', 'speed'): Keras builds the "
-            "graph later, so tensors cannot be named in advance."
+            f"enable() takes a strategy name (e.g. 'memory', 'speed'); got "
+            f"{type(checkpoints).__name__} {checkpoints!r:.60}. Keras builds the graph later, "
+            "so tensors cannot be named in advance."
         )
     record = reporting.Record(where=f"Keras model {model.name!r}")
     config = tape_lib.Config.of(checkpoints, options, record)  # raises before any change

@@ -247,6 +247,11 @@ def checkpointed_gradient(
         # (a loss computed after the with block), as the tape's rules say.
         logger.debug("a target no recorded op made: the tape's own gradient")
         reporting.left_plain(config.record, OFF_THE_RECORDING, graph)
+        if isinstance(tape, GradientTape):  # asked for by name: say so now (a patch says
+            notices.warn(                    # it when undone)
+                f"memory_saving_gradients.GradientTape rewrote nothing: {OFF_THE_RECORDING}; "
+                "its gradient is tf.GradientTape's own (None where nothing recorded links "
+                "the target to a source).", notices.NothingRewrittenWarning)
         return plain()
     watched = _end_recording(tape, recording)
     grad_ys = None

@@ -126,8 +126,10 @@ def test_a_mistake_raises_at_the_call_with_the_message_of_gradients(entry, argum
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
 @pytest.mark.parametrize("checkpoints", [None, 3])
 def test_checkpoints_neither_a_name_nor_tensors_is_a_type_error_that_says_so(entry, checkpoints):
-    with pytest.raises(TypeError, match="takes a strategy name|must be a strategy name"):
+    """... and names what it got (keras.enable said only why tensors cannot be named)."""
+    with pytest.raises(TypeError, match="takes a strategy name|must be a strategy name") as raised:
         ENTRY_POINTS[entry](dict(checkpoints=checkpoints))
+    assert f"got {type(checkpoints).__name__}" in str(raised.value), raised.value
     assert _nothing_patched()
 
 

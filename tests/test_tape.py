@@ -236,3 +236,23 @@ def test_tape_in_tf_function_lowers_the_measured_peak(graph, measure_peak):
     print(f"tf.function step peak: tf.GradientTape {plain / 2**20:.1f} MiB, "
           f"memory_saving_gradients.GradientTape {ours / 2**20:.1f} MiB")
     assert ours < 0.6 * plain, (ours, plain)
+
+
+def test_a_loss_computed_after_the_with_block_is_said_to_rewrite_nothing():
+    """memory_saving_gradients.GradientTape whose target nothing recorded made (the loss
+    computed after the with block) gives the tape's own answer, None, as before; it said
+    so only at DEBUG, where a patch warns when undone."""
+    weights = [tf.Variable(tf.ones([64]) * 0.5) for _ in range(3)]
+
+    @tf.function
+    def step(x):
+        with msg.GradientTape(checkpoints="memory") as tape:
+            h = x
+            for w in weights:
+                h = tf.tanh(h * w)
+        loss = tf.reduce_sum(h * h)
+        return tape.gradient(loss, weights)
+
+    with pytest.warns(msg.NothingRewrittenWarning, match="computed after its with block"):
+        grads = step(tf.ones([8, 64]))
+    assert all(g is None for g in grads)
