@@ -169,6 +169,17 @@ def _gradients(
             reporting.called_plain(f"{outer} differentiates it (plain tf.gradients)",
                                    problem.graph)
             return tf_gradients(ys, xs, grad_ys, **options)
+        missing = _op_without_gradient(problem)
+        if missing is not None:
+            # tf.gradients' own error (and only its ops), where a rewrite would build
+            # hundreds of ops before that lookup failed
+            reporting.called_plain(f"{missing.name} has no gradient", problem.graph)
+            results = tf_gradients(ys, xs, grad_ys, **options)
+            notices.warn(
+                f"gradients() used plain tf.gradients: no gradient is registered for "
+                f"{missing.name} ({missing.type}) as the rewrite looks it up, yet "
+                "tf.gradients found one. No memory is saved.", notices.FallbackWarning)
+            return results
         with problem.graph.as_default(), _remembered_backward(problem):
             stops = problem.stops
             grad_ys_list = _grad_ys_list(grad_ys, problem.ys)
@@ -261,6 +272,13 @@ def plan(
     check_arguments(checkpoints, dict(memory_budget=memory_budget, batch_size=batch_size))
     problem = _prepare(ys, xs, stop_gradients)
     _grad_ys_list(grad_ys, problem.ys)
+    missing = _op_without_gradient(problem)
+    if missing is not None:
+        raise LookupError(
+            f"No gradient defined for operation {missing.name!r} (op type: {missing.type}), "
+            "which lies between xs and ys: gradients() and tf.gradients raise there. "
+            "Register one (tf.RegisterGradient), or put tf.stop_gradient where no gradient "
+            "is needed.")
     stops = problem.stops
     with problem.graph.as_default():
         chosen = choose_checkpoints(
@@ -268,6 +286,23 @@ def plan(
             memory_budget, batch_size, stops,
         )
     return _plan_of(checkpoints, problem, chosen or [], memory_budget, batch_size, stops)
+
+
+def _op_without_gradient(problem) -> tf.Operation | None:
+    """The first op between xs and ys that a gradient reaches and that has no gradient
+    function (an unregistered type, a ``gradient_override_map`` to a name never
+    registered), or None.  Function calls are differentiated by TensorFlow's own
+    machinery, and ``stop_gradients`` ops not at all."""
+    stop_ops = {t.op for t in problem.stops}
+    for op in problem.region.order:
+        if (op in stop_ops or _tf_internals.is_function_call(op)
+                or not any(graph_lib.carries_gradient(t) for t in op.outputs)):
+            continue
+        try:
+            _tf_internals.gradient_function(op)
+        except LookupError:
+            return op
+    return None
 
 
 def _stop_list(stop_gradients) -> list:

@@ -89,6 +89,30 @@ def test_missing_gradient_midway_changes_nothing_and_names_the_op(variant):
     assert "Tanh" in str(ours.value)
 
 
+def test_a_missing_gradient_adds_only_what_tf_gradients_adds_and_plan_says_so():
+    """The op without a gradient is found before anything is built: gradients() raises
+    tf.gradients' own LookupError, adding the ops tf.gradients adds (it built about 200
+    more first, a helper's trial), and plan() raises naming the op (it returned a plan
+    of a backward pass that cannot be built)."""
+    counts = {}
+    for who in ("tf.gradients", "gradients"):
+        graph = tf.Graph()
+        with graph.as_default():
+            x, w, loss, units = _chain_with_missing_gradient(graph)
+            before = len(graph.get_operations())
+            with pytest.raises(LookupError, match="no_gradient_here"):
+                if who == "gradients":
+                    msg.gradients(loss, [x, w], checkpoints=units[1::3])
+                else:
+                    tf_gradients(loss, [x, w])
+            counts[who] = len(graph.get_operations()) - before
+            if who == "gradients":
+                with pytest.raises(LookupError, match="'no_gradient_here'.*tf.stop_gradient"):
+                    msg.plan(loss, [x, w], checkpoints="memory")
+                assert len(graph.get_operations()) - before == counts[who]
+    assert counts["gradients"] == counts["tf.gradients"], counts
+
+
 def test_missing_gradient_of_an_op_differentiated_in_place():
     """An op whose gradient reads nothing (Identity) between two kept tensors is
     differentiated in place, by its gradient function alone."""

@@ -331,12 +331,15 @@ def test_a_gradient_penalty_is_part_of_its_own_forward_pass(graph):
     assert not _says_other_backward(msg.plan(loss, weights))
 
 
-@pytest.mark.parametrize("bad", [0, -5, "10MB", True])
-def test_bad_budget_is_a_clear_error(graph, bad):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-5, ValueError),
+                                        (float("nan"), ValueError), (float("inf"), ValueError),
+                                        ("10MB", TypeError), (True, TypeError)])
+def test_bad_budget_is_a_clear_error(graph, bad, error):
+    """A budget out of range is a ValueError; one that is no number, a TypeError."""
     x = tf.compat.v1.placeholder(tf.float32, [8])
     loss = tf.reduce_sum(tf.tanh(tf.tanh(x)))
     count = len(graph.get_operations())
-    with pytest.raises(ValueError, match="memory_budget"):
+    with pytest.raises(error, match="memory_budget"):
         msg.gradients(loss, [x], checkpoints="memory", memory_budget=bad)
     assert len(graph.get_operations()) == count
 
