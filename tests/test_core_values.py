@@ -49,6 +49,25 @@ def test_tanh_chain(graph, run_both, assert_grads_match):
     assert_grads_match(ours, theirs, *run_both(ours, theirs, model.feed_dict))
 
 
+@pytest.mark.parametrize("dtype", [tf.complex64, tf.complex128])
+def test_a_complex_chain(graph, run_both, assert_grads_match, dtype):
+    """Complex activations and weights: the recomputed copies and their gradients (which
+    conjugate) give tf.gradients' values, with a list and with 'memory'."""
+    x = tf.compat.v1.placeholder(dtype, [16, 64])
+    v = tf.Variable(tf.cast(tf.complex(tf.ones([64]) * 0.9, tf.ones([64]) * 0.1), dtype))
+    h, acts = x, []
+    for _ in range(6):
+        h = tf.sin(h * v) * tf.cast(0.9, dtype)
+        acts.append(h)
+    loss = tf.reduce_sum(tf.math.real(h * tf.math.conj(h)))
+    feed = {x: (np.linspace(-1, 1, 16 * 64).reshape(16, 64) * (0.3 + 0.2j)).astype(
+        dtype.as_numpy_dtype)}
+    theirs = tf_gradients(loss, [v, x])
+    for checkpoints in (acts[1::2], "memory"):
+        ours = msg.gradients(loss, [v, x], checkpoints=checkpoints)
+        assert_grads_match(ours, theirs, *run_both(ours, theirs, feed))
+
+
 def test_mlp_wrt_variables(graph, run_both, assert_grads_match):
     model = mlp.build(depth=6, width=32, batch=8)
     before = names(graph)
