@@ -559,8 +559,8 @@ def _folds_to_constant(op: tf.Operation, folded: dict, made_after: int) -> bool:
     """Whether grappler's constant folding turns ``op`` into a constant: a ``Const``, a
     shape-only read (``Shape``, ``Size``, ...) of statically shaped tensors, or, for an
     op made after ``made_after``, a stateless op of such constants only.  Older ops
-    are judged by their own type alone (no walk up the graph); ``folded`` remembers
-    the answers.  The walk keeps its own stack (a graph's ancestry may be deeper than
+    are judged by a short walk (:func:`_folds_near_constants`, :data:`OLDER_FOLD_DEPTH`
+    producers); ``folded`` remembers the answers.  The walk keeps its own stack (a graph's ancestry may be deeper than
     Python's recursion limit), and a cycle (a v1 loop's ``NextIteration``) folds
     nothing."""
     stack = [op]
@@ -601,11 +601,30 @@ def _folds_by_type(op: tf.Operation, made_after: int) -> bool | None:
         return None
     if op.type in op_types.SHAPE_ONLY_READERS:
         return all(t.shape.is_fully_defined() for t in op.inputs)
-    if op_order(op) <= made_after or op.type in _NOT_FOLDED:
+    if op.type in _NOT_FOLDED or not op.inputs or op.control_inputs or _is_stateful(op):
         return False
-    if not op.inputs or op.control_inputs or _is_stateful(op):
-        return False
+    if op_order(op) <= made_after:
+        return _folds_near_constants(op, OLDER_FOLD_DEPTH)
     return None
+
+
+#: How many producers back :func:`_folds_to_constant` looks from an op older than the
+#: step (a forward op): a ``tf.cast`` of a constant scale is one.
+OLDER_FOLD_DEPTH = 3
+
+
+def _folds_near_constants(op: tf.Operation, depth: int) -> bool:
+    """Whether a stateless op folds, its inputs ``Const`` s or such ops within ``depth``
+    producers.  Judged wrongly unfoldable, a gradient op of such constants alone (the
+    ``Conj`` of a complex ``tf.cast(0.9)`` scale) was made to wait for its step's
+    recomputation; grappler folded it anyway, kept the wait, and merged it with the
+    same constant of an earlier step, whose gradients the wait comes after: a cycle."""
+    if op.type == "Const":
+        return True
+    if (depth <= 0 or op.type in _NOT_FOLDED or not op.inputs or op.control_inputs
+            or _is_stateful(op)):
+        return False
+    return all(_folds_near_constants(t.op, depth - 1) for t in op.inputs)
 
 
 def _is_stateful(op: tf.Operation) -> bool:
