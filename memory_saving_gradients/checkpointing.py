@@ -289,19 +289,30 @@ def plan(
 
 
 def _op_without_gradient(problem) -> tf.Operation | None:
-    """The first op between xs and ys that a gradient reaches and that has no gradient
-    function (an unregistered type, a ``gradient_override_map`` to a name never
-    registered), or None.  Function calls are differentiated by TensorFlow's own
-    machinery, and ``stop_gradients`` ops not at all."""
+    """The first op between xs and ys that a gradient from ys reaches and that has no
+    gradient function (an unregistered type, a ``gradient_override_map`` to a name never
+    registered), or None: where ``tf.gradients`` raises.  The walk goes back from ys
+    through ops whose gradient is not None (not through ``tf.stop_gradient``, ``Shape``,
+    ``stop_gradients``) along tensors that carry gradients; an op it does not reach
+    (an ungradable resize under ``tf.stop_gradient``) is never looked up, as in
+    ``tf.gradients``.  Function calls are differentiated by TensorFlow's own machinery."""
+    region = problem.region
     stop_ops = {t.op for t in problem.stops}
-    for op in problem.region.order:
-        if (op in stop_ops or _tf_internals.is_function_call(op)
-                or not any(graph_lib.carries_gradient(t) for t in op.outputs)):
+    stack = [y.op for y in problem.ys if y.op in region]
+    reached: set = set()
+    while stack:
+        op = stack.pop()
+        if op in reached or op in stop_ops:
             continue
-        try:
-            _tf_internals.gradient_function(op)
-        except LookupError:
-            return op
+        reached.add(op)
+        if not _tf_internals.is_function_call(op):
+            try:
+                if _tf_internals.gradient_function(op) is None:
+                    continue  # no gradient flows through it
+            except LookupError:
+                return op
+        stack.extend(t.op for t in op.inputs
+                     if t.op in region and graph_lib.carries_gradient(t))
     return None
 
 

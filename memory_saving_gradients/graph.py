@@ -619,12 +619,19 @@ def _folds_near_constants(op: tf.Operation, depth: int) -> bool:
     ``Conj`` of a complex ``tf.cast(0.9)`` scale) was made to wait for its step's
     recomputation; grappler folded it anyway, kept the wait, and merged it with the
     same constant of an earlier step, whose gradients the wait comes after: a cycle."""
+    if not all(t.shape.is_fully_defined() and tensor_bytes(t) <= GRAPPLER_MAX_CONSTANT_BYTES
+               for t in op.outputs):
+        return False  # grappler leaves it as it is
     if op.type == "Const":
         return True
     if (depth <= 0 or op.type in _NOT_FOLDED or not op.inputs or op.control_inputs
             or _is_stateful(op)):
         return False
     return all(_folds_near_constants(t.op, depth - 1) for t in op.inputs)
+
+
+#: The largest tensor grappler's constant folding makes (its ``kMaxConstantSize``).
+GRAPPLER_MAX_CONSTANT_BYTES = 10 * 2**20
 
 
 def _is_stateful(op: tf.Operation) -> bool:

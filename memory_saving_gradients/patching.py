@@ -309,15 +309,17 @@ class Patch:
             raise RuntimeError(
                 f"{self!r} was undone and cannot be entered again: patch() or patched() "
                 "makes a new one.")
-        self._entered += 1
+        with _lock:
+            self._entered += 1
         return self
 
     def __exit__(self, error_type, *rest: object) -> None:
         """Undoes the patch when the outermost ``with`` block on it ends; where the block
         raised, its error says what happened: no "rewrote nothing" warning beside it."""
-        self._entered -= 1
-        if self._entered:
-            return
+        with _lock:
+            self._entered -= 1
+            if self._entered:
+                return
         if error_type is None:
             self.undo()
         else:
@@ -392,15 +394,20 @@ class _PatchedBlocks:
 
     def __init__(self, checkpoints, tape: bool, options: dict):
         self._arguments = (checkpoints, tape, options)
-        self._handles: list = []
+        self._open = threading.local()  # .handles: this thread's blocks, innermost last
+
+    def _handles(self) -> list:
+        if not hasattr(self._open, "handles"):
+            self._open.handles = []
+        return self._open.handles
 
     def __enter__(self) -> Patch:
         checkpoints, tape, options = self._arguments
-        self._handles.append(patch(checkpoints, tape, **options).__enter__())
-        return self._handles[-1]
+        self._handles().append(patch(checkpoints, tape, **options).__enter__())
+        return self._handles()[-1]
 
     def __exit__(self, *error: object) -> None:
-        self._handles.pop().__exit__(*error)
+        self._handles().pop().__exit__(*error)
 
 
 def _check(checkpoints, tape: bool, options: dict) -> None:

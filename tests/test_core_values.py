@@ -75,6 +75,27 @@ def test_a_complex_chain(graph, run_both, assert_grads_match, dtype):
     assert scale_conjugates and not any(op.control_inputs for op in scale_conjugates)
 
 
+def test_a_gradient_op_of_a_constant_too_large_to_fold_still_waits(graph):
+    """Grappler folds no constant over 10 MiB, so a gradient op that reads only such a
+    constant (the Conj of a large complex scale) still runs when it is free to: it waits
+    for its step's recomputation where the memory model has no room for it early, as any
+    gradient op that reads nothing recomputed, while a small scale's Conj (folded) never
+    waits (test_a_complex_chain)."""
+    side = 1200  # complex64: 11.0 MiB
+    x = tf.compat.v1.placeholder(tf.complex64, [side, side])
+    scale = tf.cast(tf.constant(np.full((side, side), 0.9, np.float32)), tf.complex64)
+    h, acts = x, []
+    for _ in range(4):
+        h = tf.sin(h) * scale
+        acts.append(h)
+    loss = tf.reduce_sum(tf.math.real(h * tf.math.conj(h)))
+    msg.gradients(loss, [x], checkpoints=acts[1::2])
+    waiting = [op for op in graph.get_operations() if op.type == "Conj"
+               and op.inputs[0] is scale and "backprop" in op.name]
+    assert waiting and any(op.control_inputs for op in waiting), [
+        (op.name, op.control_inputs) for op in waiting]
+
+
 def test_mlp_wrt_variables(graph, run_both, assert_grads_match):
     model = mlp.build(depth=6, width=32, batch=8)
     before = names(graph)

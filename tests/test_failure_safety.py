@@ -113,6 +113,35 @@ def test_a_missing_gradient_adds_only_what_tf_gradients_adds_and_plan_says_so():
     assert counts["gradients"] == counts["tf.gradients"], counts
 
 
+def test_an_op_without_a_gradient_that_no_gradient_reaches_is_no_obstacle():
+    """An op with no registered gradient whose output reaches the loss only through
+    ``tf.stop_gradient`` (an area resize) is never looked up by tf.gradients; the check
+    for missing gradients flagged it and gradients() fell back (plan() raised)."""
+    import warnings
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4, 8, 8, 3], name="x")
+        w = tf.Variable(tf.ones([3, 3, 3, 3]) * 0.1)
+        h, units = x, []
+        for _ in range(6):
+            h = tf.tanh(tf.nn.conv2d(h, w, 1, "SAME"))
+            units.append(h)
+        side = tf.stop_gradient(tf.image.resize(h, [4, 4], method="area"))
+        loss = tf.reduce_sum(h * h) + tf.reduce_sum(side)
+        assert msg.plan(loss, [w], checkpoints=units[1::2]).recomputed_ops
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", msg.FallbackWarning)
+            ours = msg.gradients(loss, [w], checkpoints=units[1::2])
+        assert any("recompute" in op.name for op in graph.get_operations())
+        theirs = tf_gradients(loss, [w])
+        feed = {x: np.linspace(-1, 1, 4 * 8 * 8 * 3).reshape(4, 8, 8, 3).astype(np.float32)}
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            a, b = sess.run([ours[0], theirs[0]], feed)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_missing_gradient_of_an_op_differentiated_in_place():
     """An op whose gradient reads nothing (Identity) between two kept tensors is
     differentiated in place, by its gradient function alone."""
