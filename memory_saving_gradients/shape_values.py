@@ -139,3 +139,57 @@ def _strided_slice(op, values, begin, end, strides) -> Value | None:
     if op.get_attr("shrink_axis_mask") & 1:
         return values[start]
     return values[start:stop:strides[0]]
+
+
+#: An integer as an affine function of integer scalars known only when the step runs:
+#: ``{None: constant, tensor ref: coefficient, ...}``.
+Affine = dict
+
+
+def affine(tensor: tf.Tensor, limit: int = 8) -> Affine | list | None:
+    """``tensor`` (an integer scalar, or a vector: a list of them) as an affine function
+    of the integer scalars the graph computes while it runs, each taken as an unknown:
+    ``i * 256`` is ``{i: 256}``, ``(i + 1) * 256`` is ``{i: 256, None: 256}``.  None
+    where it is not one (a product of two unknowns, a chain longer than ``limit``)."""
+    static = tf.get_static_value(tensor)
+    if static is not None:
+        value = static.tolist()
+        if isinstance(value, int):
+            return {None: value}
+        if isinstance(value, list) and all(isinstance(v, int) for v in value):
+            return [{None: v} for v in value]
+        return None
+    if limit <= 0 or tensor.dtype not in (tf.int32, tf.int64):
+        return None
+    op = tensor.op
+    if op.type in ("Identity", "Cast"):
+        return affine(op.inputs[0], limit - 1)
+    if op.type == "Pack":
+        parts = [affine(t, limit - 1) for t in op.inputs]
+        return parts if all(isinstance(p, dict) for p in parts) else None
+    if op.type in ("Add", "AddV2", "Sub", "Mul"):
+        a, b = (affine(t, limit - 1) for t in op.inputs[:2])
+        if not (isinstance(a, dict) and isinstance(b, dict)):
+            return None
+        if op.type == "Mul":
+            if set(a) <= {None}:
+                a, b = b, a
+            if not set(b) <= {None}:
+                return None  # a product of two unknowns
+            return {key: c * b.get(None, 0) for key, c in a.items()}
+        sign = -1 if op.type == "Sub" else 1
+        summed = dict(a)
+        for key, c in b.items():
+            summed[key] = summed.get(key, 0) + sign * c
+        return summed
+    if tensor.shape.rank == 0:
+        return {tensor.ref(): 1}
+    return None
+
+
+def constant_difference(end: Affine, begin: Affine) -> int | None:
+    """``end - begin`` where it is the same whatever the unknowns are; else None."""
+    keys = set(end) | set(begin)
+    if any(end.get(k, 0) != begin.get(k, 0) for k in keys if k is not None):
+        return None
+    return end.get(None, 0) - begin.get(None, 0)

@@ -276,6 +276,8 @@ class Sizer:
         source = self.shape(op.inputs[0], depth + 1)
         if source is None:
             return None
+        if op.type == "StridedSlice":
+            source = _strided_extents(op, source)
         source = [d for i, d in enumerate(source) if not shrink >> i & 1]
         if len(source) != len(dims):
             return None
@@ -489,8 +491,9 @@ class Sizer:
             count = len(self.bounded)
             notes += (f"{count} {'tensor has' if count == 1 else 'tensors have'} unknown "
                       f"dimensions bounded by known ones and counted at that bound (e.g. "
-                      f"{name} {shape} as {tuple(dims)}: a slice of a known tensor is planned "
-                      "at its whole size, a boolean mask's rows at all rows)",)
+                      f"{name} {shape} as {tuple(dims)}: a slice is planned at the extent its "
+                      "bounds give, or at its input's whole size where they do not, a boolean "
+                      "mask's rows at all rows)",)
         if not self.assumed:
             return notes
         names = sorted(self.assumed)
@@ -505,6 +508,29 @@ class Sizer:
 
 #: :data:`.ops.CONVOLUTIONS`.
 CONVOLUTION_OP_TYPES = op_types.CONVOLUTIONS
+
+
+def _strided_extents(op: tf.Operation, source: list) -> list:
+    """A strided slice's extent along each axis of its input (``source``: the input's
+    dimensions): where its begin and end are computed while the step runs but their
+    difference is not (a micro-batch ``x[i * 256:(i + 1) * 256]``: 256 rows), that
+    difference, at most the input's; else the input's, the bound.  Stride 1 only."""
+    if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
+        return source
+    begin, end = (shape_values.affine(t) for t in op.inputs[1:3])
+    strides = tf.get_static_value(op.inputs[3])
+    if (not isinstance(begin, list) or not isinstance(end, list) or strides is None
+            or len(begin) != len(end) or len(begin) > len(source)):
+        return source
+    begin_mask, end_mask = op.get_attr("begin_mask"), op.get_attr("end_mask")
+    extents = list(source)
+    for axis, (start, stop, stride) in enumerate(zip(begin, end, strides.tolist())):
+        if stride != 1 or (begin_mask | end_mask) >> axis & 1:
+            continue
+        length = shape_values.constant_difference(stop, start)
+        if length is not None:
+            extents[axis] = max(0, min(length, source[axis]))
+    return extents
 
 
 def counts_unknown_sizes(region: graph_lib.ForwardRegion) -> bool:

@@ -104,3 +104,21 @@ def test_a_kept_tensor_and_its_reshape_count_once_in_the_checkpoint_bytes(graph)
     loss = tf.reduce_sum(tf.tanh(tf.tanh(shaped)))
     plan = msg.plan(loss, [x, w], checkpoints=[product, shaped])
     assert plan.checkpoint_bytes == 16 * 64 * 256 * 4, str(plan)
+
+
+def test_affine_bounds_give_a_slice_extent_whatever_the_index():
+    """Begin and end computed while the step runs, as affine functions of run-time
+    integers: their difference is known when it does not depend on them."""
+    from memory_saving_gradients.shape_values import affine, constant_difference
+
+    with tf.Graph().as_default():
+        i = tf.compat.v1.placeholder(tf.int32, [])
+        n = tf.compat.v1.placeholder(tf.int32, [])
+        start, stop = affine(i * 256), affine((i + 1) * 256)
+        assert constant_difference(stop, start) == 256
+        assert constant_difference(affine(i * 4 + 10), affine(i * 4 - 2)) == 12
+        assert constant_difference(affine(n), affine(i)) is None
+        assert constant_difference(affine(i * 2), affine(i)) is None
+        assert affine(i * n) is None  # a product of two unknowns
+        packed = affine(tf.stack([i * 8, 0]))
+        assert isinstance(packed, list) and packed[1] == {None: 0}

@@ -284,16 +284,17 @@ def _randomly_cropped_convolutions(batch):
 def test_a_slice_with_run_time_bounds_is_planned_at_its_input_s_size():
     """A random crop (Keras 3 ``RandomCrop`` slices at random offsets) has unknown
     height and width. Counted as the planning batch (4096 each), one 32x12x12x16 crop
-    was planned as 32 GB and the warning said "a peak of 65538.81 MB" for a 5 MB step;
-    a slice is never larger than its input, so that is its size."""
+    was planned as 32 GB and the warning said "a peak of 65538.81 MB" for a 5 MB step.
+    Its extent follows from its bounds (``offset:offset + 12``: 12 whatever the offset);
+    it was planned at its input's 16, the bound a slice never exceeds."""
     from memory_saving_gradients import simulate
 
     with tf.Graph().as_default():
         h, weights, crop = _randomly_cropped_convolutions(None)
         assert crop.shape.as_list() == [None, None, None, 8]
         size = simulate.Sizer(32)
-        assert size.shape(crop) == [32, 16, 16, 8]
-        assert size.shape(h) == [32, 16, 16, 8]  # what follows keeps the bound
+        assert size.shape(crop) == [32, 12, 12, 8]
+        assert size.shape(h) == [32, 12, 12, 8]  # what follows keeps the extent
         the_plan = msg.plan(tf.reduce_sum(h * h), weights, checkpoints="memory")
         assert the_plan.peak_at(4096, plain=True) <= 4096 * 16 * 16 * 8 * 4 * 40, str(the_plan)
         assert the_plan.depends_on_batch, str(the_plan)
@@ -547,9 +548,10 @@ def test_a_boolean_mask_between_known_layers_is_planned_as_measured(graph, measu
 
 def test_a_plan_whose_unknown_sizes_known_tensors_bound_assumes_no_batch():
     """A micro-batch sliced from a known input with a traced index (gradient accumulation
-    over ``x[i * 256:(i + 1) * 256]``) is planned at the input's 1024 rows, its bound.
-    The plan said the unknown sizes were "counted as 32", that ``peak_at(batch)`` gives
-    any other and that ``batch_size=`` sets them, none of which held (a helper's trial);
+    over ``x[i * 256:(i + 1) * 256]``) is planned at its 256 rows, the difference of its
+    bounds whatever i is (it was planned at the input's 1024 rows).  The plan said the
+    unknown sizes were "counted as 32", that ``peak_at(batch)`` gives any other and
+    that ``batch_size=`` sets them, none of which held (a helper's trial);
     ``largest_batch`` answered 2**24 and asked whether the memory was in bytes.  Now it
     names the bound and assumes no batch, as on a graph whose shapes are all known; a
     fed unknown batch beside such a slice is still planned at the batch."""
@@ -576,7 +578,7 @@ def test_a_plan_whose_unknown_sizes_known_tensors_bound_assumes_no_batch():
     said = str(the_plan)
     assert the_plan.batch is None and not the_plan.depends_on_batch, said
     assert "counted as 32" not in said and "batch_size=" not in said, said
-    assert "bounded by known ones" in said and "(1024, 256)" in said, said
+    assert "bounded by known ones" in said and "(256, 256)" in said, said
     assert stated.predicted_peak_bytes == the_plan.predicted_peak_bytes
     with pytest.raises(ValueError, match="bounded by a known tensor"):
         the_plan.largest_batch(64 * MIB)
@@ -610,6 +612,9 @@ def test_ops_that_grow_a_dimension_are_sized_and_not_called_bounded_by_their_inp
             "tile by 2": (tf.tile(known[:n], [2, 1]), [2048, 256], "bounded"),
             "pad": (tf.pad(known[:n], [[1, 2], [0, 0]]), [1027, 256], "bounded"),
             "tile by n": (tf.tile(known[:n], [n, 1]), [32, 256], "assumed"),
+            # begin and end known only while the step runs, their difference not
+            "micro-batch": (known[n * 256:(n + 1) * 256], [256, 256], "bounded"),
+            "prefix": (known[:n], [1024, 256], "bounded"),
             "concat of fed": (tf.concat([fed, fed], 0), [64, 256], "assumed"),
             "features of fed": (tf.concat([fed, fed], 1), [32, 512], "assumed"),
         }
