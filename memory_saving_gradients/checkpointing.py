@@ -646,31 +646,25 @@ def _no_checkpoints_argument(function: str, kwargs: dict) -> None:
         )
 
 
-#: ``tf.compat.v1.gradients``' parameters after ``grad_ys``, in its order.
-_TF_GRADIENTS_OPTIONS = ("name", "colocate_gradients_with_ops", "gate_gradients",
-                         "aggregation_method", "stop_gradients", "unconnected_gradients")
-#: What ``help()`` shows for the strategy entry points: gradients()' parameters but
-#: ``checkpoints``.
+#: What the strategy entry points take (and ``help()`` shows): gradients()' parameters
+#: but ``checkpoints``, so tf.compat.v1.gradients' in its order, then the library's
+#: (by keyword only).
 _STRATEGY_ENTRY_SIGNATURE = inspect.signature(gradients).replace(parameters=[
-    p for p in inspect.signature(gradients).parameters.values() if p.name != "checkpoints"])
+    p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if p.name in ("memory_budget", "batch_size")
+    else p for p in inspect.signature(gradients).parameters.values() if p.name != "checkpoints"])
 
 
 def _strategy_entry(strategy: str, entry_name: str, summary: str) -> Callable[..., list]:
     """``gradients`` with ``checkpoints=strategy``, taking ``tf.compat.v1.gradients``'
     arguments in its order, so that it can stand in for ``tf.gradients`` itself."""
 
-    def entry(ys: TensorOrList, xs: Sources, grad_ys: GradYs = None, *positional: Any,
-              **kwargs: Any) -> list:
-        if len(positional) > len(_TF_GRADIENTS_OPTIONS):
-            raise TypeError(f"{entry_name}() takes at most {3 + len(_TF_GRADIENTS_OPTIONS)} "
-                            f"positional arguments, as tf.compat.v1.gradients does; got "
-                            f"{3 + len(positional)}.")
-        for option, value in zip(_TF_GRADIENTS_OPTIONS, positional):
-            if option in kwargs:
-                raise TypeError(f"{entry_name}() got multiple values for argument {option!r}")
-            kwargs[option] = value
+    def entry(*args: Any, **kwargs: Any) -> list:
         _no_checkpoints_argument(entry_name, kwargs)
-        return gradients(ys, xs, grad_ys, checkpoints=strategy, **kwargs)
+        try:
+            bound = _STRATEGY_ENTRY_SIGNATURE.bind(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(f"{entry_name}(): {error}") from None
+        return gradients(checkpoints=strategy, **bound.arguments)
 
     entry.__name__ = entry.__qualname__ = entry_name
     entry.__signature__ = _STRATEGY_ENTRY_SIGNATURE

@@ -560,7 +560,8 @@ def _folds_to_constant(op: tf.Operation, folded: dict, made_after: int) -> bool:
     shape-only read (``Shape``, ``Size``, ...) of statically shaped tensors, or, for an
     op made after ``made_after``, a stateless op of such constants only.  Older ops
     are judged by a short walk (:func:`_folds_near_constants`, :data:`OLDER_FOLD_DEPTH`
-    producers); ``folded`` remembers the answers.  The walk keeps its own stack (a graph's ancestry may be deeper than
+    producers); ``folded`` remembers the answers.  The walk keeps its own stack (a
+    graph's ancestry may be deeper than
     Python's recursion limit), and a cycle (a v1 loop's ``NextIteration``) folds
     nothing."""
     stack = [op]
@@ -601,7 +602,7 @@ def _folds_by_type(op: tf.Operation, made_after: int) -> bool | None:
         return None
     if op.type in op_types.SHAPE_ONLY_READERS:
         return all(t.shape.is_fully_defined() for t in op.inputs)
-    if op.type in _NOT_FOLDED or not op.inputs or op.control_inputs or _is_stateful(op):
+    if not _may_fold(op):
         return False
     if op_order(op) <= made_after:
         return _folds_near_constants(op, OLDER_FOLD_DEPTH)
@@ -624,10 +625,16 @@ def _folds_near_constants(op: tf.Operation, depth: int) -> bool:
         return False  # grappler leaves it as it is
     if op.type == "Const":
         return True
-    if (depth <= 0 or op.type in _NOT_FOLDED or not op.inputs or op.control_inputs
-            or _is_stateful(op)):
+    if depth <= 0 or not _may_fold(op):
         return False
     return all(_folds_near_constants(t.op, depth - 1) for t in op.inputs)
+
+
+def _may_fold(op: tf.Operation) -> bool:
+    """Whether constant folding may fold ``op`` once its inputs are constants: a
+    stateless op with inputs and no control inputs, not one it leaves alone."""
+    return (op.type not in _NOT_FOLDED and bool(op.inputs) and not op.control_inputs
+            and not _is_stateful(op))
 
 
 #: The largest tensor grappler's constant folding makes (its ``kMaxConstantSize``).

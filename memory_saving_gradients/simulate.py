@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import weakref
 from typing import Callable, Hashable, Sequence, TypeVar
 
 import numpy as np
@@ -537,7 +538,18 @@ def counts_unknown_sizes(region: graph_lib.ForwardRegion) -> bool:
     """Whether the memory model counts any of the region's sizes as the unknown size
     (``Sizer.unknown_dim``): False where every shape is known, or every unknown one is
     bounded by known tensors (a slice of a known tensor, its rows picked by a mask), so
-    that the plan's figures hold whatever is fed."""
+    that the plan's figures hold whatever is fed.  Worked out once per region object
+    (the strategy and the plan of one call both ask)."""
+    found = _counts_unknown.get(region)
+    if found is None:
+        found = _counts_unknown[region] = _sizes_counted_as_unknown(region)
+    return found
+
+
+_counts_unknown: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # region -> bool
+
+
+def _sizes_counted_as_unknown(region: graph_lib.ForwardRegion) -> bool:
     size = Sizer(1)
     for t in graph_lib.unknown_size_tensors(region):
         size(t)
