@@ -623,7 +623,7 @@ def _prepare(ys, xs, stop_gradients=None) -> _Problem:
     """Checked ys, xs and ``stop_gradients`` (as graph tensors) and the forward region
     between xs and ys: the ops a gradient passes through, not those it reaches only
     through a stop."""
-    ys_list = _tensor_list(_numbers_as_constants(_as_list(ys)), "ys")
+    ys_list = _tensor_list(_numbers_as_constants(_as_list(ys), _as_list(xs)), "ys")
     graph = ys_list[0].graph
     with graph.as_default():
         xs_tensors = _x_tensors(_as_list(xs), graph)
@@ -1435,11 +1435,14 @@ def _as_list(value) -> list:
     return [value]
 
 
-def _numbers_as_constants(ys: list) -> list:
-    """``ys`` with each Python or NumPy number made a constant of the first tensor's
-    graph, as ``tf.gradients`` converts one (it adds nothing to the gradients)."""
-    graph = next((y.graph for y in ys if isinstance(y, tf.Tensor)
-                  and getattr(y, "graph", None) is not None), None)
+def _numbers_as_constants(ys: list, xs: list) -> list:
+    """``ys`` with each Python or NumPy number made a constant, as ``tf.gradients``
+    converts one (it adds nothing to the gradients): of the first tensor's graph among
+    ys, else among xs, else of the default graph when building one."""
+    graph = next((t.graph for t in ys + xs if isinstance(t, tf.Tensor)
+                  and getattr(t, "graph", None) is not None), None)
+    if graph is None and not tf.executing_eagerly():
+        graph = tf.compat.v1.get_default_graph()
     if graph is None:
         return ys
     numbers = (int, float, np.number, np.ndarray)

@@ -261,6 +261,30 @@ def test_a_number_among_ys_is_a_constant_as_in_tf_gradients():
 
 
 @pytest.mark.unit
+def test_ys_of_numbers_alone_get_tf_gradients_answer():
+    """``tf.gradients(3.0, xs)`` gives None per x (the number becomes a constant of the
+    graph being built); gradients() and the patched name raised a TypeError."""
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [4])
+        plain = tf.compat.v1.gradients(3.0, [x])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", msg.NothingKeptWarning)
+            ours = msg.gradients([3.0, np.float32(2.0)], [x], checkpoints="memory")
+            with msg.patched("memory"):
+                patched = tf.compat.v1.gradients(3.0, [x])
+    assert plain == [None] and ours == [None] and patched == [None]
+
+    @tf.function
+    def step(v):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", msg.NothingKeptWarning)
+            return msg.gradients(1.0, [v], checkpoints="memory", unconnected_gradients="zero")
+
+    np.testing.assert_array_equal(step(tf.ones([3])).pop().numpy(), np.zeros(3))
+
+
+@pytest.mark.unit
 def test_xs_from_another_graph(model, unchanged):
     other = tf.Graph()
     with other.as_default():
