@@ -237,7 +237,8 @@ def make_plan(
     unknown dimensions count as ``unknown_dim``; ``onednn`` and ``gpu`` describe
     the machine (see :func:`simulate.workspace_note`).  ``batch_known``: the graph
     has no unknown dimension; ``batch_note``: how the batch was chosen, for
-    ``assumptions``; ``stops``: the ``stop_gradients``; ``schedule``: the backward
+    ``assumptions`` (a loop without a static trip count makes the figures depend on
+    it all the same); ``stops``: the ``stop_gradients``; ``schedule``: the backward
     schedule of these checkpoints and stops, when already worked out; ``batch_stated``:
     ``unknown_dim`` is the ``batch_size=`` the caller passed."""
     sizer = simulate.Sizer(unknown_dim, stated=batch_stated)
@@ -254,6 +255,9 @@ def make_plan(
     else:  # nothing kept: gradients() calls plain tf.gradients, and so does this plan
         schedule, predicted, in_step = None, baseline, in_step_baseline
     model = batch_lib.PeakModel(region, ys, xs, checkpoints, stops=stops, schedule=schedule)
+    # a while loop run as many times as a tensor says: its steps are counted as the
+    # unknown size even where every shape is known
+    batch_known = batch_known and not sizer.loops_assumed
     return Plan(
         checkpoints=tuple(checkpoints),
         predicted_peak_bytes=predicted.peak_bytes,

@@ -485,7 +485,8 @@ class Sizer:
             loops = sorted(self.loops_assumed)
             notes += (f"{len(loops)} while {'loop' if len(loops) == 1 else 'loops'} (e.g. "
                       f"{loops[0]}) {'has' if len(loops) == 1 else 'have'} no static trip count: "
-                      f"the steps each keeps for its gradient are counted as {self.unknown_dim}",)
+                      f"the steps each keeps for its gradient are counted as {self.unknown_dim} "
+                      "(batch_size= sets it, and plan.peak_at(n) gives the peaks at n)",)
         if self.bounded:
             name = min(self.bounded)
             shape, dims = self.bounded[name]

@@ -860,3 +860,35 @@ def test_plans_are_remembered_per_trip_count():
 
     assert fingerprint(6) == fingerprint(6)
     assert fingerprint(6) != fingerprint(24)
+
+
+@pytest.mark.unit
+def test_a_loop_run_as_many_times_as_a_tensor_says_makes_the_plan_depend_on_it():
+    """Every shape known but a loop's trip count (a tensor argument): its steps are
+    counted as the unknown size, so the plan is given at that size (``plan.batch``),
+    ``batch_size=`` sets it and ``peak_at`` gives the peaks at others. The plan said
+    its figures held at any size (``batch`` None, ``peak_at`` refused) while counting
+    32 steps."""
+    w = tf.Variable(tf.random.stateless_normal([64, 64], seed=(1, 2)) * 0.1)
+    plans = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([16, 64]), tf.TensorSpec([], tf.int32)])
+    def step(x, n):
+        h = x
+        for _ in range(4):
+            h = tf.tanh(h @ w)
+        _, h = tf.while_loop(lambda i, h: i < n, lambda i, h: (i + 1, tf.tanh(h @ w)), (0, h))
+        loss = tf.reduce_sum(h)
+        plans["default"] = msg.plan(loss, [w], checkpoints="memory")
+        plans["stated"] = msg.plan(loss, [w], checkpoints="memory", batch_size=512)
+        return loss
+
+    step.get_concrete_function()
+    default, stated = plans["default"], plans["stated"]
+    assert default.batch == 32 and stated.batch == 512, (default, stated)
+    assert not default.batch_known
+    assert any("no static trip count" in a and "counted as 32" in a for a in default.assumptions)
+    # each step keeps a 16x64 float32 tensor or two: 480 more steps hold at least 480*4 KiB
+    grown = default.peak_at(512, plain=True) - default.baseline_peak_bytes
+    assert grown >= 480 * 16 * 64 * 4, (grown, default)
+    assert default.peak_at(512, plain=True) == stated.baseline_peak_bytes
