@@ -1585,9 +1585,17 @@ def _grad_ys_list(grad_ys, ys: list, names: tuple = ("grad_ys", "ys", "y")) -> l
             shape, dtype = grad_y.shape, grad_y.dtype
         else:
             try:
-                shape, dtype = tf.TensorShape(np.shape(grad_y)), None
+                array = np.asarray(grad_y)
             except (TypeError, ValueError):
                 continue  # tf.gradients' own conversion says what is wrong with it
+            if array.dtype.kind not in "biufc":  # tf.gradients builds ops, then raises
+                raise TypeError(
+                    f"{g}[{i}] is {_describe(grad_y)}: each of {g} is the gradient of its "
+                    f"{one_y} (a tensor or number of its shape), or None for ones."
+                    + (" gradients()' third argument is grad_ys, as tf.gradients': pass "
+                       "checkpoints= by keyword." if g == "grad_ys" and isinstance(grad_y, str)
+                       else ""))
+            shape, dtype = tf.TensorShape(array.shape), None
         if not shape.is_compatible_with(y.shape):
             raise ValueError(
                 f"{g}[{i}] has shape {shape}, but {y_name}[{i}] {y.name!r} has shape "

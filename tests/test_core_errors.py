@@ -93,6 +93,15 @@ def test_a_name_where_gradients_takes_checkpoints_says_so(model, unchanged):
                model.loss, model.inputs, None, "mygrads")
 
 
+@pytest.mark.unit
+def test_a_strategy_passed_third_is_refused_as_grad_ys(model, unchanged):
+    """``gradients(loss, xs, "memory")``: the third argument is grad_ys, as in
+    tf.gradients (plan()'s is checkpoints). The string went on to plain tf.gradients,
+    which left ops behind and raised about a "Gradient type string"."""
+    call_fails(TypeError, [r"grad_ys\[0\]", "'memory'", "third argument is grad_ys",
+                           "checkpoints= by keyword"], model.loss, model.inputs, "memory")
+
+
 @pytest.mark.parametrize("entry", ["gradients_memory", "gradients_speed", "gradients_collection"])
 def test_the_strategy_entry_points_take_tf_gradients_arguments_in_its_order(graph, entry):
     """gradients_memory & co. stand in for tf.gradients (``tf.__dict__['gradients'] =
@@ -315,7 +324,7 @@ def test_grad_ys_length_mismatch(model, unchanged):
 def bad_grad_ys(model):
     """grad_ys that do not fit the loss (made before the graph's snapshot)."""
     return {"shape": tf.ones([5]), "dtype": tf.ones(model.loss.shape, tf.float64),
-            "array": np.ones([5], np.float32)}
+            "array": np.ones([5], np.float32), "string": "ones", "object": object()}
 
 
 @pytest.mark.unit
@@ -323,6 +332,8 @@ def bad_grad_ys(model):
     ("shape", ValueError, [r"grad_ys\[0\]", r"shape \(5,\)", "has that y's shape"]),
     ("dtype", TypeError, [r"grad_ys\[0\]", "float64", "float32", "tf.cast"]),
     ("array", ValueError, [r"grad_ys\[0\]", r"shape \(5,\)"]),
+    ("string", TypeError, [r"grad_ys\[0\]", "'ones'", "gradient of its y"]),
+    ("object", TypeError, [r"grad_ys\[0\]", "object", "gradient of its y"]),
 ])
 @pytest.mark.parametrize("checkpoints", ["memory", "list"])
 def test_grad_ys_that_do_not_fit_their_y(model, bad_grad_ys, unchanged, kind, error, words,
