@@ -565,6 +565,9 @@ def _no_library_tapes() -> bool:
 #: library (a tape configuration is active; :mod:`.tape_hooks` sets this): such an outer
 #: tape differentiates the rewrite's copies as any other graph ops.
 library_tapes_active: Callable[[], bool] = _no_library_tapes
+#: The tapes recording now whose gradients this library builds (a
+#: ``memory_saving_gradients.GradientTape`` outside ``patched()``; :mod:`.tape` sets this).
+library_tapes_recording: Callable[[], tuple] = tuple
 _warned_outer: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 
 
@@ -573,9 +576,10 @@ def _outer_differentiator(problem) -> str | None:
     serve it, or None.  A plain ``tf.GradientTape`` or ``ForwardAccumulator`` records
     ops as they are made, and the rewrite's copies (made by :mod:`.rewrite`, not
     recorded) are invisible to it: second derivatives through them came out wrong by
-    30-200% (a Hessian-vector product, a gradient penalty, forward over reverse)."""
+    30-200% (a Hessian-vector product, a gradient penalty, forward over reverse).  The
+    library's own tapes see them: they differentiate the graph's ops."""
     by_tape, by_accumulator = _tf_internals.recorded_by_an_outer_differentiator(
-        list(problem.ys) + list(problem.xs))
+        list(problem.ys) + list(problem.xs), ignoring=library_tapes_recording())
     if by_accumulator:
         return "a tf.autodiff.ForwardAccumulator"
     if by_tape and not library_tapes_active():

@@ -46,6 +46,7 @@ from ._nesting import Nesting
 from ._tensorflow import tf
 from .checkpointing import Checkpoints, building_gradients, check_arguments, check_output_gradients
 from .checkpointing import gradients as _checkpointed_gradients
+from . import checkpointing as _checkpointing_module
 
 logger = logging.getLogger("memory_saving_gradients")
 
@@ -102,7 +103,11 @@ class _Recording:
         self.open_from = None
 
     def recorded(self, op: tf.Operation) -> bool:
+        """Whether a span recorded ``op``: a closed one, or the one still open (a
+        ``gradient()`` called inside the ``with`` block)."""
         order = graph_lib.op_order(op)
+        if self.open_from is not None and order >= self.open_from:
+            return True
         return any(first <= order <= last for first, last in self.ranges)
 
 
@@ -416,6 +421,7 @@ def _end_recording(tape, recording: _Recording) -> set:
     if _tf_internals.tape_is_recording(tape):
         if not _tf_internals.tape_is_persistent(tape):
             _tf_internals.stop_tape(tape)
+            recording.close()  # what the rewrite builds next is not recorded
         else:
             # Keep recording, but the ops made so far are what gets differentiated.
             recording.close()
@@ -472,6 +478,25 @@ def _unrecorded_inputs(recording: _Recording, ys: list, xs) -> list:
 # -- the methods of a checkpointing tape ---------------------------------------------
 
 
+_recording_now = threading.local()
+
+
+def _library_tapes_recording() -> list:
+    """This thread's tapes in their ``with`` blocks whose gradients the library builds
+    (they see the rewrite's copies, so a gradient computation they record is rewritten)."""
+    tapes = getattr(_recording_now, "tapes", None)
+    if tapes is None:
+        tapes = _recording_now.tapes = []
+    return tapes
+
+
+def _recording_library_tapes() -> tuple:
+    return tuple(_library_tapes_recording())
+
+
+_checkpointing_module.library_tapes_recording = _recording_library_tapes
+
+
 def hooked_methods(previous: Callable[[str], Callable],
                    config_of: Callable[[tf.GradientTape], Config | None]) -> dict[str, Callable]:
     """The :data:`HOOKED` methods of a checkpointing tape, by name.
@@ -487,10 +512,15 @@ def hooked_methods(previous: Callable[[str], Callable],
     def _push_tape(self):
         previous("_push_tape")(self)
         note_push(self)
+        if config_of(self) is not None:
+            _library_tapes_recording().append(self)
 
     def _pop_tape(self):
         previous("_pop_tape")(self)
         note_pop(self)
+        tapes = _library_tapes_recording()
+        if self in tapes:
+            tapes.remove(self)
 
     def reset(self):
         previous("reset")(self)

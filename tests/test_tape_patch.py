@@ -337,6 +337,70 @@ def test_second_derivatives_by_a_plain_outer_differentiator_are_right(weights, x
     assert "differentiates this gradient computation" in said, said
 
 
+@pytest.mark.parametrize("how", ["patched", "library_tape"])
+def test_a_gradient_taken_inside_the_with_block_is_rewritten(weights, x, how):
+    """``grads = tape.gradient(loss, ws)`` indented inside the ``with`` block of a
+    non-persistent tape: the loss was made in the span still open, which did not count
+    as recorded, so nothing was rewritten and the warning said the loss was computed
+    after the block."""
+    ws = weights[:8]
+
+    def step(x, tape_class):
+        with tape_class() as tape:
+            loss = _forward(ws, x)
+            grads = tape.gradient(loss, ws)
+        return grads
+
+    want = tf.function(lambda x: step(x, tf.GradientTape))(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", msg.NothingRewrittenWarning)
+        if how == "patched":
+            with msg.patched("memory") as handle:
+                got = tf.function(lambda x: step(x, tf.GradientTape))(x)
+            plans = handle.plans
+        else:
+            tapes = []
+
+            def library_tape():
+                tapes.append(msg.GradientTape(checkpoints="memory"))
+                return tapes[-1]
+
+            got = tf.function(lambda x: step(x, library_tape))(x)
+            plans = tapes[0].plans
+    assert len(plans) == 1 and plans[0].checkpoints, plans
+    _close(got, want)
+
+
+def test_nested_library_tapes_both_rewrite_a_gradient_penalty(weights, x, caplog):
+    """Two ``memory_saving_gradients.GradientTape`` s, the outer differentiating the inner's
+    gradient (a gradient penalty): the outer one builds its gradient from the graph, so it
+    sees the inner rewrite's copies, as tapes do under patched(). The inner fell back to
+    plain tf.gradients with a warning that outer tapes are the library's under patched()."""
+    ws = weights[:6]
+    tapes = []
+
+    def penalty(x, tape_class):
+        with tape_class() as outer:
+            with tape_class() as inner:
+                inner.watch(x)
+                loss = _forward(ws, x)
+            dx = inner.gradient(loss, x)
+            total = tf.reduce_mean(tf.square(dx)) + loss
+        return outer.gradient(total, ws)
+
+    def library_tape():
+        tapes.append(msg.GradientTape(checkpoints="memory"))
+        return tapes[-1]
+
+    want = tf.function(lambda x: penalty(x, tf.GradientTape))(x)
+    with caplog.at_level("WARNING", logger="memory_saving_gradients"):
+        got = tf.function(lambda x: penalty(x, library_tape))(x)
+    _close(got, want, rtol=2e-4)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "differentiates this gradient computation" not in said, said
+    assert [len(t.plans) for t in tapes] == [1, 1], [t.plans for t in tapes]
+
+
 def test_jacobian_and_batch_jacobian_equal_the_plain_tape(weights):
     small = tf.random.stateless_normal([4, 32], seed=[1, 2])
 
