@@ -40,13 +40,13 @@ import threading
 from typing import Any, Callable
 
 from . import _tensorflow as _tf_internals
+from . import checkpointing as _checkpointing_module
 from . import graph as graph_lib
 from . import notices, recovery, reporting
 from ._nesting import Nesting
 from ._tensorflow import tf
 from .checkpointing import Checkpoints, building_gradients, check_arguments, check_output_gradients
 from .checkpointing import gradients as _checkpointed_gradients
-from . import checkpointing as _checkpointing_module
 
 logger = logging.getLogger("memory_saving_gradients")
 
