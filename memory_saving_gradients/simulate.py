@@ -117,8 +117,8 @@ _DATA_BOUNDED = frozenset({"Where", "Unique", "UniqueWithCounts", "DynamicPartit
 _GROWING = frozenset({"ConcatV2", "Tile", "Pad", "PadV2", "MirrorPad"})
 
 #: Gathers: the params' dimensions around the indices' (a boolean mask gathers the rows
-#: a ``Where`` found).
-_GATHERS = frozenset({"Gather", "GatherV2", "GatherNd"})
+#: a ``Where`` found; a variable's ``ResourceGather``, the rows an embedding looks up).
+_GATHERS = frozenset({"Gather", "GatherV2", "GatherNd", "ResourceGather"})
 
 #: How many producers back :class:`Sizer` follows an unknown dimension (through ops
 #: that keep it, or keep the element count) before counting it as ``unknown_dim``:
@@ -232,7 +232,7 @@ class Sizer:
         if op.type in _GROWING and len(inputs) >= 2:
             grown = None if deep else self._grown_shape(op, dims, depth)
             return grown or [self._fallback() if d is None else d for d in dims]
-        if op.type in _GATHERS and len(inputs) >= 2 and not deep:
+        if op.type in _GATHERS and len(op.inputs) >= 2 and not deep:
             gathered = self._gathered_shape(op, dims, depth)
             if gathered is not None:
                 return gathered
@@ -334,7 +334,14 @@ class Sizer:
     def _gathered_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
         """A gather's dimensions: the params' before and after the gathered axis around
         the indices' (``GatherNd``: the indices' but the last, then the params' it does
-        not index). None where an axis or a rank is not known when the graph is built."""
+        not index; ``ResourceGather``: the indices', then what the op's static shape gives
+        of the variable's). None where an axis or a rank is not known when the graph is
+        built."""
+        if op.type == "ResourceGather":
+            indices = self.shape(op.inputs[1], depth + 1)
+            if indices is None or len(indices) > len(dims) or None in dims[len(indices):]:
+                return None
+            return list(indices) + dims[len(indices):]
         params, indices = (self.shape(t, depth + 1) for t in op.inputs[:2])
         if params is None or indices is None or not indices:
             return None
