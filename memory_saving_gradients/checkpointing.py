@@ -353,7 +353,20 @@ def _plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops=(),
                                     make, schedule)
     # not remembered with the plan: it depends on the graph around the region
     note = _other_backward_note(problem) if other_backward is None else other_backward
+    if made.batch is not None and not stated and isinstance(checkpoints, str):
+        note += _above_plain_note(made)
     return dataclasses.replace(made, assumptions=made.assumptions + note) if note else made
+
+
+def _above_plain_note(made: planning.Plan) -> tuple:
+    """A note where a plan chosen for every batch peaks above plain at the batch its
+    figures are given at: the largest batches decided the choice."""
+    if (made.in_step_peak_bytes <= 1.05 * made.in_step_baseline_peak_bytes
+            and made.predicted_peak_bytes <= 1.05 * made.baseline_peak_bytes):
+        return ()
+    return (f"at batch {made.batch} this plan peaks above plain tf.gradients: its checkpoints "
+            "are chosen for the least worst-case peak over every batch, which the largest "
+            "decide; pass batch_size= with the batch you feed to plan for that one",)
 
 
 def _stops_key(stops, region) -> tuple:
@@ -369,9 +382,11 @@ def _stops_key(stops, region) -> tuple:
 def _batch_of_plan(checkpoints, problem, memory_budget, batch_size, unknown) -> tuple:
     """``(batch_size, notes)``: the batch a plan's figures are given at, and what its
     assumptions say about how the batch was chosen when it is unknown."""
-    if not unknown or batch_size is not None:
-        return batch_size, ()
     region = problem.region
+    if not unknown:
+        return batch_size, ()
+    if batch_size is not None:  # batch_size= sets every unknown dimension: say so
+        return batch_size, _beyond_batch_note(region)
     subject, unit = _what_is_unknown(region)
     notes = _batch_notes(checkpoints, problem, memory_budget, unknown, subject, unit)
     if unit == "batch":

@@ -258,6 +258,10 @@ def make_plan(
     # a while loop run as many times as a tensor says: its steps are counted as the
     # unknown size even where every shape is known
     batch_known = batch_known and not sizer.loops_assumed
+    if batch_stated and not sizer.assumed and not sizer.loops_assumed:
+        batch_note = tuple(batch_note) + (
+            f"batch_size={unknown_dim} changes nothing here: every size in the graph is known "
+            "(or bounded by known ones), and the figures are at those sizes",)
     return Plan(
         checkpoints=tuple(checkpoints),
         predicted_peak_bytes=predicted.peak_bytes,
