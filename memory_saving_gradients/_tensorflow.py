@@ -508,32 +508,39 @@ def tape_is_used_up(tape) -> bool:
     return tape._tape is None
 
 
-def recorded_by_an_outer_differentiator(tensors: list, ignoring: tuple = ()) -> tuple:
+def recorded_by_an_outer_differentiator(tensors: list) -> tuple:
     """``(by a tape, by a forward accumulator)``: whether a ``tf.GradientTape`` that is
-    recording now, other than the tapes ``ignoring`` (taken off the tape set while it
-    asks), watches any of ``tensors`` (``record.should_record_backprop``), and whether a
-    ``tf.autodiff.ForwardAccumulator`` carries a tangent of any (``TFE_Py_PackJVPs``).
-    Then the ops that compute their gradients are themselves differentiated (a
-    Hessian-vector product, a gradient penalty, forward over reverse)."""
+    recording now watches any of ``tensors`` (``record.should_record_backprop``), and
+    whether a ``tf.autodiff.ForwardAccumulator`` carries a tangent of any
+    (``TFE_Py_PackJVPs``).  Then the ops that compute their gradients are themselves
+    differentiated (a Hessian-vector product, a gradient penalty, forward over reverse)."""
     from tensorflow.python import pywrap_tfe
     from tensorflow.python.eager import record
 
-    if not record.could_possibly_record():
+    if not could_record():
         return False, False
     tensors = [t for t in tensors if isinstance(t, tf.Tensor)]
     if not tensors:
         return False, False
-    from tensorflow.python.eager import tape as tape_stack
+    return (bool(record.should_record_backprop(tensors)),
+            bool(pywrap_tfe.TFE_Py_PackJVPs(tensors)[1]))
 
-    paused = [t._tape for t in ignoring if t._recording and t._tape is not None]
-    for inner in paused:
-        tape_stack.pop_tape(inner)
-    try:
-        by_tape = bool(record.should_record_backprop(tensors))
-    finally:
-        for inner in reversed(paused):
-            tape_stack.push_tape(inner)
-    return by_tape, bool(pywrap_tfe.TFE_Py_PackJVPs(tensors)[1])
+
+def could_record() -> bool:
+    """Whether any tape or forward accumulator may be recording now (cheap)."""
+    from tensorflow.python.eager import record
+
+    return bool(record.could_possibly_record())
+
+
+def record_for_tapes(op_type: str, outputs: list, inputs: list,
+                     backward: typing.Callable) -> None:
+    """Record one operation from ``inputs`` to ``outputs`` on every ``tf.GradientTape``
+    recording now (not on forward accumulators), whose gradient is ``backward(*output
+    gradients)``: one gradient (or None) per input (``record_operation_backprop_only``)."""
+    from tensorflow.python.eager import record
+
+    record.record_operation_backprop_only(op_type, outputs, inputs, backward)
 
 
 def tape_is_recording(tape) -> bool:

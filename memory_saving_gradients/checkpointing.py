@@ -199,6 +199,7 @@ def _gradients(
             made_plan = (_plan_of(checkpoints, problem, chosen, memory_budget, batch_size, stops,
                                   other_backward)
                          if reporting.wanted() else None)
+            first = graph_lib.last_op_id(problem.graph) + 1
             with tf.name_scope(name or "gradients"):
                 results = _backprop(_Request(
                     problem.ys, problem.xs, grad_ys_list, problem.region, chosen, stops,
@@ -206,6 +207,7 @@ def _gradients(
                                      aggregation_method, unconnected),
                     _unknown_dim(batch_size),
                 ))
+            _record_for_outer_tapes(problem.graph, first, results)
             if made_plan is not None:
                 reporting.rewrote(made_plan, problem.graph)
                 _warn_if_list_raises_the_peak(made_plan)
@@ -572,34 +574,80 @@ def _warn_unmodelled_workspaces(region) -> None:
             logger.warning("%s.", line)
 
 
-def _no_library_tapes() -> bool:
-    return False
-
-
-#: Whether the gradients of ``tf.GradientTape`` s recording now are built by this
-#: library (a tape configuration is active; :mod:`.tape_hooks` sets this): such an outer
-#: tape differentiates the rewrite's copies as any other graph ops.
-library_tapes_active: Callable[[], bool] = _no_library_tapes
-#: The tapes recording now whose gradients this library builds (a
-#: ``memory_saving_gradients.GradientTape`` outside ``patched()``; :mod:`.tape` sets this).
-library_tapes_recording: Callable[[], tuple] = tuple
 _warned_outer: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 
 
 def _outer_differentiator(problem) -> str | None:
     """What differentiates this gradient computation itself, where the rewrite cannot
-    serve it, or None.  A plain ``tf.GradientTape`` or ``ForwardAccumulator`` records
-    ops as they are made, and the rewrite's copies (made by :mod:`.rewrite`, not
-    recorded) are invisible to it: second derivatives through them came out wrong by
-    30-200% (a Hessian-vector product, a gradient penalty, forward over reverse).  The
-    library's own tapes see them: they differentiate the graph's ops."""
-    by_tape, by_accumulator = _tf_internals.recorded_by_an_outer_differentiator(
-        list(problem.ys) + list(problem.xs), ignoring=library_tapes_recording())
-    if by_accumulator:
-        return "a tf.autodiff.ForwardAccumulator"
-    if by_tape and not library_tapes_active():
-        return "a tf.GradientTape that is recording"
-    return None
+    serve it, or None: a ``tf.autodiff.ForwardAccumulator``, which computes tangents as
+    ops are made and never sees the rewrite's copies (made by :mod:`.rewrite`): forward
+    over reverse came out wrong by 30-200%.  A recording ``tf.GradientTape`` is served:
+    :func:`_record_for_outer_tapes` records the rewritten computation on it."""
+    _, by_accumulator = _tf_internals.recorded_by_an_outer_differentiator(
+        list(problem.ys) + list(problem.xs))
+    return "a tf.autodiff.ForwardAccumulator" if by_accumulator else None
+
+
+def _record_for_outer_tapes(graph: tf.Graph, first: int, results: list) -> None:
+    """Where a ``tf.GradientTape`` is recording what the ops made since op id ``first``
+    read (a gradient penalty's outer tape, a Hessian's), record their computation on it
+    as one operation from :func:`_tape_frontier` to ``results``.  A tape records the ops
+    it sees made, not the rewrite's copies (made below that API): differentiated by
+    TensorFlow's tape, they gave second derivatives wrong by 30-200%, or None.  The
+    recorded operation's gradient is ``tf.gradients`` through the graph's ops, copies
+    included, and is itself recorded so, for a tape outside that one (third order)."""
+    if not _tf_internals.could_record():
+        return
+    outputs = [g.values if isinstance(g, tf.IndexedSlices) else g for g in results]
+    outputs = [t for t in outputs if isinstance(t, tf.Tensor)]
+    inputs = _tape_frontier(graph, first)
+    if not outputs or not inputs or not _tf_internals.recorded_by_an_outer_differentiator(inputs)[0]:
+        return
+
+    def backward(*output_gradients):
+        grad_ys = [tf.zeros_like(t) if g is None else g for t, g in zip(outputs, output_gradients)]
+        start = graph_lib.last_op_id(graph) + 1
+        # partial derivatives: the tape goes on from each input through its own records
+        grads = tf_gradients(outputs, inputs, grad_ys=grad_ys, stop_gradients=inputs)
+        last = graph_lib.last_op_id(graph)
+        if last >= start:
+            _built_backward.setdefault(graph, []).append((_TAPE_BACKWARD, start, last))
+            _record_for_outer_tapes(graph, start, grads)
+        return grads
+
+    _tf_internals.record_for_tapes("MemorySavingGradients", outputs, inputs, backward)
+
+
+#: The key in :data:`_built_backward` of the backward functions of recorded rewrites.
+_TAPE_BACKWARD = ("a tape's gradient of a rewritten gradient computation",)
+
+
+def _tape_frontier(graph: tf.Graph, first: int) -> list:
+    """What a tape can go on from, below the ops made since op id ``first``: walking back
+    from what they read, through the ops this library built before (which tapes did not
+    record whole), to tensors made elsewhere that can carry a gradient (variables'
+    handles and lists included)."""
+    built = [(low, high) for _, low, high in _built_backward.get(graph, ())]
+
+    def library_made(op):
+        order = graph_lib.op_order(op)
+        return order >= first or any(low <= order <= high for low, high in built)
+
+    stack = []
+    for op in reversed(graph.get_operations()):  # creation order: the newest last
+        if graph_lib.op_order(op) < first:
+            break
+        stack.append(op)
+    seen, frontier = set(stack), {}
+    while stack:
+        for t in stack.pop().inputs:
+            if library_made(t.op):
+                if t.op not in seen:
+                    seen.add(t.op)
+                    stack.append(t.op)
+            elif graph_lib.carries_gradient(t) or t.dtype in (tf.resource, tf.variant):
+                frontier.setdefault(t.ref(), t)
+    return list(frontier.values())
 
 
 def _say_outer_differentiator(problem, outer: str) -> None:
@@ -608,11 +656,9 @@ def _say_outer_differentiator(problem, outer: str) -> None:
         return
     _warned_outer.add(problem.graph)
     logger.warning(
-        "%s differentiates this gradient computation (a "
-        "Hessian-vector product, a gradient penalty's inner gradient): it cannot see the "
-        "recomputed ops, so plain tf.gradients is used for this one (no memory saved for "
-        "it). Under patched(), outer tf.GradientTapes are the library's and see them.",
-        outer)
+        "%s differentiates this gradient computation (forward over reverse): it cannot "
+        "see the recomputed ops, so plain tf.gradients is used for this one (no memory "
+        "saved for it).", outer)
 
 
 _warned_other_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
@@ -1595,6 +1641,9 @@ def _grad_ys_list(grad_ys, ys: list, names: tuple = ("grad_ys", "ys", "y")) -> l
     for i, (grad_y, y) in enumerate(zip(grad_ys, ys)):
         if grad_y is None or isinstance(grad_y, tf.IndexedSlices):
             continue
+        if _is_resource_variable(grad_y) or _tf_internals.reference_variable_tensor(grad_y) is not None:
+            with y.graph.as_default():  # its value, as tf.gradients converts it
+                grad_y = grad_ys[i] = tf.convert_to_tensor(grad_y)
         if (isinstance(grad_y, tf.Tensor) and getattr(grad_y, "graph", None) is None
                 and hasattr(y.graph, "capture")):
             with y.graph.as_default():  # an eager tensor: captured, as tf.gradients does
@@ -1605,7 +1654,7 @@ def _grad_ys_list(grad_ys, ys: list, names: tuple = ("grad_ys", "ys", "y")) -> l
         else:
             try:
                 array = np.asarray(grad_y)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, NotImplementedError):  # (a list of graph tensors)
                 continue  # tf.gradients' own conversion says what is wrong with it
             if array.dtype.kind not in "biufc":  # tf.gradients builds ops, then raises
                 raise TypeError(

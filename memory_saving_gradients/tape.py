@@ -40,7 +40,6 @@ import threading
 from typing import Any, Callable
 
 from . import _tensorflow as _tf_internals
-from . import checkpointing as _checkpointing_module
 from . import graph as graph_lib
 from . import notices, recovery, reporting
 from ._nesting import Nesting
@@ -420,8 +419,7 @@ def _end_recording(tape, recording: _Recording) -> set:
     new span.  Returns the keys (:func:`_handle_key`) of the variables it watched."""
     if _tf_internals.tape_is_recording(tape):
         if not _tf_internals.tape_is_persistent(tape):
-            _tf_internals.stop_tape(tape)
-            recording.close()  # what the rewrite builds next is not recorded
+            _tf_internals.stop_tape(tape)  # closes the span (the hooked _pop_tape)
         else:
             # Keep recording, but the ops made so far are what gets differentiated.
             recording.close()
@@ -478,25 +476,6 @@ def _unrecorded_inputs(recording: _Recording, ys: list, xs) -> list:
 # -- the methods of a checkpointing tape ---------------------------------------------
 
 
-_recording_now = threading.local()
-
-
-def _library_tapes_recording() -> list:
-    """This thread's tapes in their ``with`` blocks whose gradients the library builds
-    (they see the rewrite's copies, so a gradient computation they record is rewritten)."""
-    tapes = getattr(_recording_now, "tapes", None)
-    if tapes is None:
-        tapes = _recording_now.tapes = []
-    return tapes
-
-
-def _recording_library_tapes() -> tuple:
-    return tuple(_library_tapes_recording())
-
-
-_checkpointing_module.library_tapes_recording = _recording_library_tapes
-
-
 def hooked_methods(previous: Callable[[str], Callable],
                    config_of: Callable[[tf.GradientTape], Config | None]) -> dict[str, Callable]:
     """The :data:`HOOKED` methods of a checkpointing tape, by name.
@@ -512,15 +491,10 @@ def hooked_methods(previous: Callable[[str], Callable],
     def _push_tape(self):
         previous("_push_tape")(self)
         note_push(self)
-        if config_of(self) is not None:
-            _library_tapes_recording().append(self)
 
     def _pop_tape(self):
         previous("_pop_tape")(self)
         note_pop(self)
-        tapes = _library_tapes_recording()
-        if self in tapes:
-            tapes.remove(self)
 
     def reset(self):
         previous("reset")(self)

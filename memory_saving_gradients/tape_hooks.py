@@ -1,6 +1,6 @@
 """The tape-level patch: every ``tf.GradientTape`` checkpoints while a graph is traced.
 
-Layer: entry points; imports: checkpointing, tape, _tensorflow.
+Layer: entry points; imports: tape, _tensorflow.
 
 TF2 code differentiates with ``tape.gradient``: Keras 3's and tf_keras'
 ``train_step``, custom training loops, ``optimizer.minimize(..., tape=tape)``.
@@ -28,7 +28,6 @@ import threading
 from typing import Iterator
 
 from . import _tensorflow as _tf_internals
-from . import checkpointing
 from . import tape as tape_lib
 
 logger = logging.getLogger("memory_saving_gradients")
@@ -43,14 +42,6 @@ def current() -> tape_lib.Config | None:
     """The configuration tapes use now (the newest pushed), or None."""
     with _lock:
         return _configs[-1][1] if _configs else None
-
-
-def _configured() -> bool:
-    """Whether a configuration is active: every tape then gives the library's gradient."""
-    return current() is not None
-
-
-checkpointing.library_tapes_active = _configured
 
 
 def push(config: tape_lib.Config) -> object:

@@ -248,6 +248,34 @@ def test_eager_grad_ys_inside_a_function_is_captured_as_tf_gradients_does():
     np.testing.assert_allclose(patched[0].numpy(), plain[0].numpy(), rtol=1e-6)
 
 
+def test_grad_ys_as_a_variable_or_a_list_of_tensors_as_in_tf_gradients():
+    """tf.gradients converts a variable, or a (nested) list of tensors, given as a
+    grad_y; the check of grad_ys raised NotImplementedError on them (numpy of a symbolic
+    tensor)."""
+    scale = tf.Variable(2.0)
+    weights = tf.Variable(tf.random.stateless_normal([8, 8], seed=[1, 2]) * 0.3)
+
+    def step(gradients, x):
+        h = x
+        for _ in range(4):
+            h = tf.tanh(h @ weights)
+        pair = tf.reduce_sum(h, 0)[:2]
+        by_variable = gradients(tf.reduce_sum(h * h), [weights], grad_ys=scale)
+        by_list = gradients(pair, [weights], grad_ys=[[pair[0] * 0 + 1.0, pair[1] * 0 + 2.0]])
+        return by_variable + by_list
+
+    def ours(ys, xs, grad_ys):
+        return msg.gradients(ys, xs, grad_ys=grad_ys, checkpoints="memory")
+
+    x = tf.ones([4, 8])
+    want = tf.function(lambda x: step(tf.gradients, x))(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", msg.MemorySavingGradientsWarning)  # a small graph
+        got = tf.function(lambda x: step(ours, x))(x)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6)
+
+
 @pytest.mark.unit
 def test_a_number_among_ys_is_a_constant_as_in_tf_gradients():
     """``tf.gradients([loss, 1.0], xs)`` converts the number (it adds nothing); so do
