@@ -422,7 +422,9 @@ def _beyond_batch_note(region) -> tuple:
         return ()
     return (f"dimensions besides the batch are unknown too (e.g. {beyond.name} "
             f"{beyond.shape}): every unknown dimension is counted as the same size, and "
-            "batch_size= sets them all",)
+            "batch_size= sets them all; to plan at the length you feed, trace the step with "
+            "it known (an input_signature of tf.TensorSpec([None, length]), or batches "
+            "padded to it)",)
 
 
 def _batch_notes(checkpoints, problem, memory_budget, unknown, subject, unit) -> tuple:
