@@ -601,7 +601,9 @@ def _record_for_outer_tapes(graph: tf.Graph, first: int, results: list) -> None:
     if not _tf_internals.could_record():
         return
     outputs = [g.values if isinstance(g, tf.IndexedSlices) else g for g in results]
-    outputs = [t for t in outputs if isinstance(t, tf.Tensor)]
+    # a result made before (a y's grad_y, as the gradient of that y as an x) is known
+    outputs = [t for t in outputs if isinstance(t, tf.Tensor)
+               and graph_lib.op_order(t.op) >= first]
     inputs = _tape_frontier(graph, first)
     if not outputs or not inputs or not _tf_internals.recorded_by_an_outer_differentiator(inputs)[0]:
         return
