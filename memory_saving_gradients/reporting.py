@@ -57,6 +57,8 @@ class Record:
         library never planned (traced before any patch), with counts.
       ran_plain_captures: ids of the eager values (variable handles among them)
         those functions captured: which Keras models' steps they were.
+      ran_without_gradients: names of the traced functions it ran that compute no
+        gradient (a Keras ``predict`` or ``evaluate``), with counts.
     """
 
     def __init__(self, where: str | None = None):
@@ -73,6 +75,7 @@ class Record:
         self.ran: collections.Counter = collections.Counter()
         self.ran_plain: collections.Counter = collections.Counter()
         self.ran_plain_captures: set[int] = set()
+        self.ran_without_gradients: collections.Counter = collections.Counter()
         self.raised: collections.Counter = collections.Counter()  # error type -> calls
 
 
@@ -253,6 +256,8 @@ def function_ran(record: Record, graph: tf.Graph) -> None:
     if builds:
         record.ran_plain[name] += 1
         record.ran_plain_captures.update(id(value) for value in getattr(graph, "external_captures", ()))
+    else:
+        record.ran_without_gradients[name] += 1
 
 
 def _stale_keras_models(record: Record) -> str:
@@ -361,6 +366,9 @@ def warn_if_nothing_rewritten(record: Record, what: str) -> None:
                "(traced before this patch or under one with tape=False, and reused; or "
                "built only by functions the patch leaves to TensorFlow: tf.hessians, "
                "a tape's jacobian, a ForwardAccumulator)" if record.ran_plain else
+               f": the traced functions it ran ({_named(record.ran_without_gradients)}) "
+               "compute no gradient (a Keras predict or evaluate), so there was nothing "
+               "to rewrite" if record.ran_without_gradients else
                ". Most likely the step was traced before it: a tf.function called "
                "earlier, or a Keras model that already ran fit (or train_on_batch), "
                "reuses its graph")

@@ -515,6 +515,22 @@ def test_a_patch_around_a_step_traced_before_warns_with_the_cause():
     assert len([w for w in caught if issubclass(w.category, msg.NothingRewrittenWarning)]) == 1
 
 
+def test_a_patch_around_functions_without_gradients_says_they_compute_none():
+    """``patched()`` around a Keras model's predict and evaluate only: the functions it
+    ran were traced in the block but compute no gradient. The warning said the step was
+    most likely traced before the patch (a helper's trial)."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+    model.compile("sgd", "mse")
+    x = np.ones((16, 8), "float32")
+    with pytest.warns(msg.NothingRewrittenWarning) as caught:
+        with msg.patched("memory"):
+            model.predict(x, verbose=0)
+            model.evaluate(x, np.zeros((16, 4), "float32"), verbose=0)
+    said = " ".join(str(w.message) for w in caught if w.category is msg.NothingRewrittenWarning)
+    assert "compute no gradient" in said and "traced before" not in said, said
+
+
 def _tanh_step(weights):
     @tf.function
     def tanh_step(x):
