@@ -788,6 +788,7 @@ def choose_checkpoints(
         stated = batch_size is not None
         if memory_budget is not None and unknown and batch_size is None:
             batch_size, fitting = budget_batch(ys, xs, region, memory_budget, unknown)
+            _say_budget_batch(graph, memory_budget, batch_size)
         options = {"unknown_dim": _planning_dim(batch_size, unknown)}
         if memory_budget is not None:
             options["memory_budget"] = memory_budget
@@ -921,6 +922,24 @@ def budget_batch(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: graph
             + "".join(f" ({note})" for note in beyond)
         )
     return batch, any_batch
+
+
+_warned_budget_batches: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
+
+
+def _say_budget_batch(graph: tf.Graph, memory_budget: float, batch: int) -> None:
+    """Once per graph and budget, at WARNING: with an unknown batch, a budget holds only
+    up to the batch it was planned at; a step fed more peaks above it (with a stated
+    batch, a budget that cannot be met raises)."""
+    said = _warned_budget_batches.setdefault(graph, set())
+    if memory_budget in said:
+        return
+    said.add(memory_budget)
+    logger.warning(
+        "memory_budget=%s with an unknown batch: the memory model meets it at batches up "
+        "to %d, where the step is planned; a larger batch peaks above it. Pass batch_size= "
+        "with the batch you feed to plan for that one (a budget that cannot be met there "
+        "raises).", describe_bytes(memory_budget), batch)
 
 
 #: Strategies that choose with the memory model (:mod:`.simulate`).

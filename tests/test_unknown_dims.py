@@ -697,3 +697,26 @@ def test_what_batch_size_does_and_where_a_plan_for_every_batch_costs_is_said():
     assert every.in_step_peak_bytes > 1.05 * every.in_step_baseline_peak_bytes, every
     assert any("at batch 32 this plan peaks above plain" in a for a in every.assumptions), every
     assert not any("peaks above plain" in a for a in at_64.assumptions), at_64
+
+
+@pytest.mark.unit
+def test_a_budget_with_an_unknown_batch_warns_up_to_which_batch_it_holds(caplog):
+    """keras.enable(memory_budget=1 MiB) on a fit of batch 32 from tf.data planned at
+    batch 1 (the largest that meets it) and trained with only an INFO line; with the
+    batch known, the same budget raises. The gradients() call now says at WARNING, once
+    per graph and budget, up to which batch the budget holds."""
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 256])
+        ws = [tf.Variable(tf.ones([256, 256]) * 0.01) for _ in range(8)]
+        h = x
+        for w in ws:
+            h = tf.tanh(h @ w)
+        loss = tf.reduce_sum(h)
+        budget = msg.plan(loss, ws, checkpoints="memory", batch_size=64).predicted_peak_bytes
+        with caplog.at_level("WARNING", logger="memory_saving_gradients"):
+            msg.gradients(loss, ws, checkpoints="memory", memory_budget=budget)
+            msg.gradients(loss, ws, checkpoints="memory", memory_budget=budget)
+    said = [r.getMessage() for r in caplog.records if "with an unknown batch" in r.getMessage()]
+    assert len(said) == 1, said
+    match = re.search(r"meets it at batches up to (\d+)", said[0])
+    assert match and 64 <= int(match.group(1)) < 4096, said
