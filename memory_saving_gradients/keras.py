@@ -198,12 +198,17 @@ def step_plan(model: Model, checkpoints: str = "memory", input_spec: InputSpec |
     """
     _model_kind(model)
     specs = _input_specs(model, input_spec)
+    structure = _input_structure(model, len(specs)) if input_spec is None else None
     found = []
 
     def step(*inputs):
         from . import checkpointing
 
-        outputs = model(inputs[0] if len(inputs) == 1 else list(inputs), training=True)
+        if structure is not None:  # a dict of inputs, as the model was built on
+            arguments = tf.nest.pack_sequence_as(structure, list(inputs))
+        else:
+            arguments = inputs[0] if len(inputs) == 1 else list(inputs)
+        outputs = model(arguments, training=True)
         loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, tf.float32)))
                          for o in tf.nest.flatten(outputs)])
         found.append(checkpointing.plan(loss, list(model.trainable_variables), checkpoints))
@@ -274,6 +279,18 @@ def _input_specs(model, input_spec) -> list:
             )
         specs = [tf.TensorSpec(t.shape, getattr(t.dtype, "name", t.dtype)) for t in inputs]
     return [tf.TensorSpec([None] + list(s.shape)[1:], s.dtype) for s in specs]
+
+
+def _input_structure(model, count: int):
+    """The nesting of the model's inputs (a dict, a nested list), where it is more than
+    a list of ``count`` tensors, so that the model is called as it was built; else None."""
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):  # a model never called on keras.Input
+        return None
+    if isinstance(structure, (list, tuple)) or not tf.nest.is_nested(structure):
+        return None
+    return structure if len(tf.nest.flatten(structure)) == count else None
 
 
 def _output_specs(model) -> list:

@@ -232,3 +232,24 @@ def test_keras_largest_batch():
     if not tf.config.list_physical_devices("GPU"):
         with pytest.raises(ValueError, match="memory="):
             msg.keras.largest_batch(_keras_mlp(keras))
+
+
+@pytest.mark.keras
+def test_keras_step_plan_calls_a_model_with_dict_inputs_as_it_was_built():
+    """A functional model built on a dict of inputs was called with a list, and Keras 3
+    warned that the structure of its inputs did not match (a helper's trial)."""
+    import warnings
+
+    keras = pytest.importorskip("keras")
+    image = keras.Input((16, 16, 3), name="image")
+    tokens = keras.Input((12,), dtype="int32", name="tokens")
+    pooled = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(8, 3)(image))
+    embedded = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(100, 8)(tokens))
+    model = keras.Model({"image": image, "tokens": tokens},
+                        keras.layers.Dense(3)(pooled + embedded))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = msg.keras.largest_batch(model, memory=64 * MB, checkpoints=None)
+    assert batch > 0
+    said = [str(w.message) for w in caught if "structure" in str(w.message)]
+    assert not said, said
