@@ -61,6 +61,8 @@ class Plan:
         gradient to the end (fetched, as ``session.run(grads)`` does).  Without a
         ``memory_budget`` the strategies weigh plans by these: on a model whose
         weights outweigh its activations the fetched gradients hide the saving.
+      batch_stated: whether :attr:`batch` is the ``batch_size=`` the caller passed
+        (else the library chose it: 32, or the largest a ``memory_budget`` allows).
     """
 
     checkpoints: tuple
@@ -76,6 +78,7 @@ class Plan:
         default=None, repr=False, compare=False)
     in_step_peak_bytes: int | None = None
     in_step_baseline_peak_bytes: int | None = None
+    batch_stated: bool = False
     _model: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -277,5 +280,6 @@ def make_plan(
         schedule=schedule,
         in_step_peak_bytes=in_step.peak_bytes,
         in_step_baseline_peak_bytes=in_step_baseline.peak_bytes,
+        batch_stated=batch_stated and not batch_known,
         _model=None if batch_known else model,
     )

@@ -234,6 +234,8 @@ def _at_batch(plan: Plan) -> str:
     ratio at the planning batches (``Plan.peak_at`` gives any other)."""
     if not plan.depends_on_batch:
         return ""
+    if plan.batch_stated:
+        return f" at batch_size={plan.batch}, as passed"
     ratios = ", ".join(f"{b}: {ratio:.2f}x" for b, ratio in plan.ratios_by_batch(in_step=True))
     return (f" at an unknown size counted as {plan.batch} (in a step, by batch: {ratios}; "
             f"Plan.peak_at(batch) for the batch you feed)")

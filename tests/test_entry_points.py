@@ -336,7 +336,8 @@ def _assert_reported(handle, lines, where):
     assert 0 < plan.checkpoint_bytes < plan.predicted_peak_bytes
     assert f"{plan.predicted_peak_bytes / 2**20:.2f} MB vs {plan.baseline_peak_bytes / 2**20:.2f}"\
         in lines[0]
-    assert ("unknown size" in lines[0]) == (plan.batch is not None), lines[0]
+    assert ("unknown size" in lines[0]) == (plan.batch is not None and not plan.batch_stated), \
+        lines[0]
 
 
 def test_the_info_line_of_an_unknown_batch_says_at_which_batch_its_figures_are(caplog):
@@ -358,6 +359,16 @@ def test_the_info_line_of_an_unknown_batch_says_at_which_batch_its_figures_are(c
     for b, ratio in plan.ratios_by_batch(in_step=True):
         assert f"{b}: {ratio:.2f}x" in line, line
     assert ratio < 1.0, line  # the largest batch: activations dominate, the plan saves
+    # a stated batch is the batch the figures are at (the line said "an unknown size
+    # counted as" it, with the ratios at the batches the planner judges for no batch)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        with msg.patched("memory", batch_size=64) as handle:
+            tf.function(step.python_function, input_signature=step.input_signature
+                        ).get_concrete_function()
+    (line,) = _rewrite_lines(caplog)
+    assert handle.plans[0].batch_stated and "at batch_size=64, as passed" in line, line
+    assert "unknown size" not in line, line
 
 
 @pytest.mark.slow
