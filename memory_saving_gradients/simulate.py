@@ -629,7 +629,9 @@ def other_backward_note(region: graph_lib.ForwardRegion,
     example = min(readers, key=graph_lib.op_order).name
     return (f"the graph already holds another backward pass over this forward pass "
             f"({len(readers)} gradient op(s) outside it read its tensors, e.g. {example}: "
-            "a second tape or tf.gradients call, as in a GAN): both peaks count only this "
+            "a second tape or tf.gradients call, as in a GAN, or a persistent tape's "
+            "earlier gradient; ops under a 'recompute' scope are the copies this library "
+            "built for it): both peaks count only this "
             "gradient computation's backward pass, and a step that runs both holds more "
             "(docs/usage.md)",)
 
