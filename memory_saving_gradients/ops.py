@@ -167,8 +167,9 @@ GRADIENT_READS_OTHER_INPUT = frozenset({
 })
 
 #: Max pools whose oneDNN kernel records the position of each output's maximum in a
-#: workspace of one byte per output element, freed when the kernel returns (measured:
-#: 0.25 MB beside a 1 MB float32 output; :mod:`.workspace`).
+#: workspace of one byte per output element (measured: 0.25 MB beside a 1 MB float32
+#: output), which the pool's gradient reads: held until then, or freed when the kernel
+#: returns where no gradient reads the pool (:func:`.workspace.kept_for_gradient_bytes`).
 ONEDNN_MAX_POOLS = frozenset({"MaxPool", "MaxPoolV2"})
 
 #: Divisions ``x / y``: the gradient for ``x`` reads ``y``; the one for ``y`` reads ``x``

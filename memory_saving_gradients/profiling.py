@@ -49,7 +49,8 @@ def peak_memory_during(run: Callable[[], object], device: str | None = None) -> 
     The allocator counts whole chunks: a request placed in a free chunk less than
     twice its size takes all of it, so this can exceed the bytes the step's tensors
     asked for (and ``plan()``'s prediction, which counts those), by what the
-    allocator held before; :func:`peak_memory` sums the requests.  Logical CPUs
+    allocator held before (a Keras U-Net step at batch 32 read 75-89 MiB here against
+    63-79 MiB requested, step to step); :func:`peak_memory` sums the requests.  Logical CPUs
     (``tf.config.set_logical_device_configuration``) share one allocator: each of them
     gives the peak of all together.  A step whose every buffer is smaller than 256 KiB
     measures 0 on CPU, and a WARNING says why.

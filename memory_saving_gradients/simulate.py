@@ -473,6 +473,15 @@ class Sizer:
             found = self._scratch[key] = (op, measure(op, self, self.shape))
         return found[1]
 
+    def kept_for_gradient(self, op: tf.Operation) -> int:
+        """Bytes ``op``'s kernel keeps for its gradient beside its outputs
+        (:func:`.workspace.kept_for_gradient_bytes`), remembered."""
+        key = ("kept", op)
+        found = self._costs.get(key)
+        if found is None:
+            found = self._costs[key] = workspace.kept_for_gradient_bytes(op, self)
+        return found
+
     def cost(self, op: tf.Operation) -> float:
         """What recomputing ``op`` costs the planner: the time model's seconds
         (:meth:`seconds`)."""
@@ -924,6 +933,9 @@ def _forward(timeline: _Timeline, region, size) -> int:
                     timeline.alloc(t.ref(), 0, step)
             else:
                 timeline.alloc(t.ref(), size(t), step)
+        kept = size.kept_for_gradient(op)
+        if kept:
+            timeline.alloc(_kept_key(op.outputs[0].ref()), kept, step)
         _scratch(timeline, size.scratch(op), step)
     return len(region.order)
 
@@ -1037,7 +1049,8 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
         differentiated = op.inputs if arguments is None else arguments
         found = (
             [t.ref() for t in list(reads_in) + list(reads_out)]
-            + ([_loop_key(op), _loop_zeros_key(op)] if op.type in graph_lib.WHILE_OP_TYPES else []),
+            + ([_loop_key(op), _loop_zeros_key(op)] if op.type in graph_lib.WHILE_OP_TYPES else [])
+            + ([_kept_key(op.outputs[0].ref())] if size.kept_for_gradient(op) else []),
             [t.ref() for t in op.outputs],
             [(t.ref(), _gradient_size(t, op, size)) for t in differentiated
              if graph_lib.carries_gradient(t) and wanted(t)],
@@ -1047,9 +1060,19 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
     reads, outputs, emitted, closure = found
     if not grads.has_any(outputs):
         return False  # no gradient reaches it (a custom gradient's inner ops): not differentiated
+    unpaired = _kept_unpaired(op, rename, size)
     for ref in reads:
+        if unpaired and ref.__class__ is tuple and ref[0] == "kept":
+            continue  # the kernel cannot read it: the operands come from different ops
         # a custom gradient's closure reads the forward pass's tensors, also for a copy
         timeline.use(ref if closure else rename(ref), step)
+    if unpaired:
+        _scratch(timeline, workspace.max_pool_gradient_bytes(op, size), step)
+        # TensorFlow's kernel writes its result into its first operand's buffer where
+        # nothing else holds it: freed as the step starts, unless a later step reads it
+        root = timeline.alias.get(rename(op.inputs[0].ref()))
+        if root is not None and timeline.buffers[root][1] == step:
+            timeline.buffers[root][1] = step - 0.5
     if (op.type in op_types.GRADIENT_WRITES_INTO_INCOMING and len(outputs) == 1
             and len(emitted) == 1):
         grads.hand_over(outputs[0], emitted[0][1], step)
@@ -1059,6 +1082,24 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
     _scratch(timeline, size.scratch(op, gradient=True), step)
     timeline.executed[step] = (op, "backward")
     return True
+
+
+def _kept_unpaired(op: tf.Operation, rename, size) -> bool:
+    """Whether ``op`` keeps something for its gradient (a oneDNN max pool's workspace)
+    that its gradient cannot use here: its output was kept while its input is recomputed,
+    so the gradient's operands come from two ops, and TensorFlow runs its own kernel
+    (:func:`.workspace.max_pool_gradient_bytes`)."""
+    if not size.kept_for_gradient(op):
+        return False
+    source, output = op.inputs[0].ref(), op.outputs[0].ref()
+    return rename(source) is not source and rename(output) is output
+
+
+def _kept_key(output_ref) -> tuple:
+    """The timeline's key for what an op's kernel keeps for its gradient beside its
+    outputs (:func:`.workspace.kept_for_gradient_bytes`), by its first output's key (a
+    recomputed copy's is renamed with it)."""
+    return ("kept", output_ref)
 
 
 def _loop_key(op: tf.Operation) -> tuple:
@@ -1237,8 +1278,10 @@ class _Replay:
         inside = self._running(segment.ops) if recompute else set()
 
         def rename(ref):
-            if ref.__class__ is tuple:  # a loop's kept iterations (_loop_key)
-                return ref
+            if ref.__class__ is tuple:
+                if ref[0] == "kept":  # what a kernel keeps for its gradient (_kept_key)
+                    return ("kept", rename(ref[1]))
+                return ref  # a loop's kept iterations (_loop_key): never recomputed
             return (index, ref) if ref.deref().op in inside else ref
 
         if recompute:
@@ -1343,4 +1386,7 @@ class _Replay:
                         timeline.alloc(key, 0, self.step)
                 else:
                     timeline.alloc(key, self.size(t), self.step)
+            kept = self.size.kept_for_gradient(op)
+            if kept:
+                timeline.alloc(_kept_key((index, op.outputs[0].ref())), kept, self.step)
             _scratch(timeline, self.size.scratch(op), self.step)

@@ -192,9 +192,6 @@ def _equation(op: tf.Operation) -> str | None:
 def forward_bytes(op: tf.Operation, size: Callable[[tf.Tensor], int],
                   shape: Callable[[tf.Tensor], list | None]) -> int:
     """Scratch bytes ``op``'s kernel holds while it runs (0 for an op not modelled)."""
-    if op.type in op_types.ONEDNN_MAX_POOLS and op.outputs and onednn_enabled():
-        output = op.outputs[0]
-        return size(output) // max(1, output.dtype.size)
     if op.type != "Einsum" or not op.outputs:
         return 0
     equation = _equation(op)
@@ -202,6 +199,35 @@ def forward_bytes(op: tf.Operation, size: Callable[[tf.Tensor], int],
         return 0
     return _einsum_bytes(equation, list(op.inputs), size(op.outputs[0]), size, shape,
                          onednn_enabled())
+
+
+def kept_for_gradient_bytes(op: tf.Operation, size: Callable[[tf.Tensor], int]) -> int:
+    """Bytes ``op``'s kernel allocates besides its outputs and keeps for its gradient: a
+    oneDNN max pool's workspace, one byte per output element (where the index of each
+    maximum is), which its gradient (``MaxPoolGrad``) reads.  A pool whose output no
+    gradient reads frees it as the kernel returns.  Measured: six 1 MiB workspaces beside
+    4 MiB outputs live at plain's peak, until each pool's gradient (0 where not modelled)."""
+    if _pools_with_onednn(op):
+        output = op.outputs[0]
+        return size(output) // max(1, output.dtype.size)
+    return 0
+
+
+def _pools_with_onednn(op: tf.Operation) -> bool:
+    return (op.type in op_types.ONEDNN_MAX_POOLS and bool(op.outputs) and onednn_enabled()
+            and op.outputs[0].dtype in (tf.float32, tf.bfloat16))
+
+
+def max_pool_gradient_bytes(op: tf.Operation, size: Callable[[tf.Tensor], int]) -> int:
+    """Scratch of a max pool's gradient where it has no oneDNN workspace to read
+    (oneDNN off, another dtype, or a pool whose output was kept while its input is
+    recomputed: the gradient's two operands then come from different ops): TensorFlow's
+    own ``MaxPoolGrad`` finds each maximum again, into an int64 index per output element
+    (measured: 8 MiB beside a 4 MiB output, 2 MiB beside 1 MiB at stride 2)."""
+    if op.type not in op_types.ONEDNN_MAX_POOLS or not op.outputs:
+        return 0
+    output = op.outputs[0]
+    return 8 * (size(output) // max(1, output.dtype.size))
 
 
 def gradient_bytes(op: tf.Operation, size: Callable[[tf.Tensor], int],
@@ -216,6 +242,8 @@ def gradient_bytes(op: tf.Operation, size: Callable[[tf.Tensor], int],
     """
     if op.type in BROADCASTING_PRODUCTS:
         return _broadcast_product_gradient_bytes(op, shape)
+    if op.type in op_types.ONEDNN_MAX_POOLS and not _pools_with_onednn(op):
+        return max_pool_gradient_bytes(op, size)
     if op.type != "Einsum" or len(op.inputs) != 2 or not op.outputs:
         return 0
     equation = (_equation(op) or "").replace(" ", "")

@@ -17,6 +17,7 @@ import tensorflow as tf
 import memory_saving_gradients as msg
 from memory_saving_gradients import graph as graph_lib
 from memory_saving_gradients import profiling, simulate, workspace
+from memory_saving_gradients._units import MIB
 
 MB = 2**20
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -128,7 +129,7 @@ def test_einsum_scratch_is_what_the_allocator_records(equation):
 @pytest.mark.parametrize("stride", [1, 2])
 def test_a_max_pools_scratch_is_what_the_allocator_records(graph, stride):
     """Under oneDNN a max pool's kernel allocates a byte per output element beside its
-    output, freed when it returns; without oneDNN nothing."""
+    output, freed when it returns where no gradient reads it; without oneDNN nothing."""
     x = tf.compat.v1.placeholder(tf.float32, [16, 32, 32, 64])
     pooled = tf.nn.max_pool2d(x, 2, stride, "SAME")
     feed = {x: np.random.default_rng(0).random((16, 32, 32, 64), dtype=np.float32)}
@@ -138,8 +139,38 @@ def test_a_max_pools_scratch_is_what_the_allocator_records(graph, stride):
                   for device in metadata.step_stats.dev_stats for node in device.node_stats
                   if node.node_name == pooled.op.name]
     measured = profiling.running_peak(records) - graph_lib.tensor_bytes(pooled)
-    predicted = workspace.forward_bytes(pooled.op, graph_lib.tensor_bytes, lambda t: t.shape.as_list())
+    predicted = workspace.kept_for_gradient_bytes(pooled.op, graph_lib.tensor_bytes)
     assert abs(measured - predicted) <= 16 * 1024, (measured, predicted)
+
+
+@pytest.mark.memory
+def test_max_pools_keep_their_workspaces_until_their_gradients(graph, measure_peak):
+    """Six oneDNN max pools (stride 1, 4 MiB outputs) between tanh layers: each pool's
+    workspace (1 MiB) stays allocated until its gradient (``MaxPoolGrad``) reads it, so
+    plain's peak holds all six (a helper's profile of a Keras U-Net, thirty-third
+    session); the model freed them as the pools returned. A pool kept as a checkpoint
+    whose input is recomputed has its gradient's operands from two ops: TensorFlow's
+    own kernel runs, with an int64 index per output element (8 MiB). The checkpointed
+    step was predicted at 28 MiB against 37 measured; now 37 against 37. Plain: 66
+    predicted against 62 in a Session (66 requested in a tf.function step)."""
+    if not workspace.onednn_enabled():
+        pytest.skip("the workspace is oneDNN's (TF_ENABLE_ONEDNN_OPTS=0 here)")
+    rng = np.random.default_rng(0)
+    x = tf.compat.v1.placeholder(tf.float32, [16, 32, 32, 64])
+    feed = {x: rng.standard_normal((16, 32, 32, 64)).astype("float32")}
+    w = tf.Variable(rng.standard_normal((3, 3, 64, 64)).astype("float32") * 0.05)
+    h = x
+    for _ in range(6):
+        h = tf.nn.max_pool2d(tf.tanh(h), 3, 1, "SAME")
+    loss = tf.reduce_sum(tf.square(tf.nn.conv2d(h, w, 1, "SAME")))
+    the_plan = msg.plan(loss, [w, x], checkpoints="memory")
+    plain, _ = measure_peak(tf.gradients(loss, [w, x]), feed)
+    ours, _ = measure_peak(msg.gradients(loss, [w, x], checkpoints=list(the_plan.checkpoints)),
+                           feed)
+    summary = f"plain {plain / MIB:.2f} MiB, ours {ours / MIB:.2f}; {the_plan}"
+    assert abs(the_plan.baseline_peak_bytes - plain) <= 0.1 * plain, summary
+    assert abs(the_plan.predicted_peak_bytes - ours) <= 2 * MIB, summary
+    assert ours < 0.7 * plain, summary
 
 
 ONEDNN_OFF = r"""
