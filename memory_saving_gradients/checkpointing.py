@@ -168,7 +168,7 @@ def _gradients(
             _say_outer_differentiator(problem, outer)
             reporting.called_plain(f"{outer} differentiates it (plain tf.gradients)",
                                    problem.graph)
-            return tf_gradients(ys, xs, grad_ys, **options)
+            return _plain_for_tapes(problem.graph, ys, xs, grad_ys, options)
         missing = _op_without_gradient(problem)
         if missing is not None:
             # tf.gradients' own error (and only its ops), where a rewrite would build
@@ -189,7 +189,7 @@ def _gradients(
             )
             reporting.planned(problem.graph)
             if chosen is None:
-                return tf_gradients(ys, xs, grad_ys, **options)
+                return _plain_for_tapes(problem.graph, ys, xs, grad_ys, options)
             _warn_unmodelled_workspaces(problem.region)
             other_backward = _other_backward_note(problem)
             _warn_other_backward(problem.graph, other_backward)
@@ -207,6 +207,7 @@ def _gradients(
                                      aggregation_method, unconnected),
                     _unknown_dim(batch_size),
                 ))
+            _remember_rewrite(problem.graph, first, results)
             _record_for_outer_tapes(problem.graph, first, results)
             if made_plan is not None:
                 reporting.rewrote(made_plan, problem.graph)
@@ -585,9 +586,48 @@ def _outer_differentiator(problem) -> str | None:
     ops are made and never sees the rewrite's copies (made by :mod:`.rewrite`): forward
     over reverse came out wrong by 30-200%.  A recording ``tf.GradientTape`` is served:
     :func:`_record_for_outer_tapes` records the rewritten computation on it."""
-    _, by_accumulator = _tf_internals.recorded_by_an_outer_differentiator(
+    by_tape, by_accumulator = _tf_internals.recorded_by_an_outer_differentiator(
         list(problem.ys) + list(problem.xs))
-    return "a tf.autodiff.ForwardAccumulator" if by_accumulator else None
+    if by_accumulator:
+        return "a tf.autodiff.ForwardAccumulator"
+    if by_tape and _made_outside_the_recording(problem.region) is not None:
+        return ("a tf.GradientTape that did not record all of this forward pass (ops made "
+                "before its with block or under stop_recording)")
+    return None
+
+
+def _made_outside_the_recording(region) -> tf.Operation | None:
+    """An op of ``region`` that reads a tensor a recording tape holds but whose output
+    it does not hold (made before the tape's ``with`` block, or under
+    ``stop_recording()``), or None.  To the tape its output is a constant; the rewrite's
+    copies would make it again from what the tape holds, and the operation recorded for
+    the rewrite would differentiate through it."""
+    def held(t) -> bool:
+        return _tf_internals.recorded_by_an_outer_differentiator([t])[0]
+
+    built = [(low, high) for low, high, _ in _rewrites.get(region.order[0].graph, ())
+             ] if region.order else []
+    for op in region.order:
+        order = graph_lib.op_order(op)
+        if any(low <= order <= high for low, high in built):
+            continue  # the library's (a tape holds an earlier rewrite as one operation)
+        outputs = [t for t in op.outputs if graph_lib.carries_gradient(t)]
+        if outputs and not held(outputs[0]) and any(
+                graph_lib.carries_gradient(t) and held(t) for t in op.inputs):
+            return op
+    return None
+
+
+def _plain_for_tapes(graph: tf.Graph, ys, xs, grad_ys, options: dict) -> list:
+    """Plain ``tf.gradients``, recorded on a recording tape as one operation where an
+    earlier rewrite is part of what it differentiates (its ops would read copies no tape
+    recorded): :func:`_record_for_outer_tapes`."""
+    first = graph_lib.last_op_id(graph) + 1
+    results = tf_gradients(ys, xs, grad_ys, **options)
+    if _rewrites.get(graph) and graph_lib.last_op_id(graph) >= first:
+        _remember_rewrite(graph, first, results)
+        _record_for_outer_tapes(graph, first, results)
+    return results
 
 
 def _record_for_outer_tapes(graph: tf.Graph, first: int, results: list) -> None:
@@ -600,58 +640,96 @@ def _record_for_outer_tapes(graph: tf.Graph, first: int, results: list) -> None:
     included, and is itself recorded so, for a tape outside that one (third order)."""
     if not _tf_internals.could_record():
         return
-    outputs = [g.values if isinstance(g, tf.IndexedSlices) else g for g in results]
     # a result made before (a y's grad_y, as the gradient of that y as an x) is known
-    outputs = [t for t in outputs if isinstance(t, tf.Tensor)
-               and graph_lib.op_order(t.op) >= first]
-    inputs = _tape_frontier(graph, first)
-    if not outputs or not inputs or not _tf_internals.recorded_by_an_outer_differentiator(inputs)[0]:
+    outputs = [t for t in _dense_tensors(results) if graph_lib.op_order(t.op) >= first]
+    inputs, constants = _tape_frontier(graph, first)
+    if not outputs or not inputs:
         return
 
     def backward(*output_gradients):
         grad_ys = [tf.zeros_like(t) if g is None else g for t, g in zip(outputs, output_gradients)]
         start = graph_lib.last_op_id(graph) + 1
-        # partial derivatives: the tape goes on from each input through its own records
-        grads = tf_gradients(outputs, inputs, grad_ys=grad_ys, stop_gradients=inputs)
-        last = graph_lib.last_op_id(graph)
-        if last >= start:
-            _built_backward.setdefault(graph, []).append((_TAPE_BACKWARD, start, last))
+        # partial derivatives: the tape goes on from each input through its own records;
+        # what it never recorded is a constant to it
+        grads = tf_gradients(outputs, inputs, grad_ys=grad_ys,
+                             stop_gradients=inputs + constants)
+        if graph_lib.last_op_id(graph) >= start:  # its ops read the copies: the same again
+            _remember_rewrite(graph, start, grads)
             _record_for_outer_tapes(graph, start, grads)
         return grads
 
     _tf_internals.record_for_tapes("MemorySavingGradients", outputs, inputs, backward)
 
 
-#: The key in :data:`_built_backward` of the backward functions of recorded rewrites.
-_TAPE_BACKWARD = ("a tape's gradient of a rewritten gradient computation",)
+# per graph, the computations whose ops read recomputed copies (rewrites, and the
+# gradients of their recorded operations): (first op id, last op id, their results)
+_rewrites: "weakref.WeakKeyDictionary[tf.Graph, list]" = weakref.WeakKeyDictionary()
 
 
-def _tape_frontier(graph: tf.Graph, first: int) -> list:
-    """What a tape can go on from, below the ops made since op id ``first``: walking back
-    from what they read, through the ops this library built before (which tapes did not
-    record whole), to tensors made elsewhere that can carry a gradient (variables'
-    handles and lists included)."""
-    built = [(low, high) for _, low, high in _built_backward.get(graph, ())]
+def _remember_rewrite(graph: tf.Graph, first: int, results: list) -> None:
+    """Remember the ops made since op id ``first`` as a computation that reads copies no
+    tape recorded, with its ``results`` (for :func:`_tape_frontier`)."""
+    _rewrites.setdefault(graph, []).append(
+        (first, graph_lib.last_op_id(graph), _dense_tensors(results)))
 
-    def library_made(op):
+
+def _dense_tensors(results: list) -> list:
+    tensors = [g.values if isinstance(g, tf.IndexedSlices) else g for g in results]
+    return [t for t in tensors if isinstance(t, tf.Tensor)]
+
+
+def _tape_frontier(graph: tf.Graph, first: int) -> tuple:
+    """``(inputs, constants)`` of the computation the ops made since op id ``first`` do,
+    as a recording tape sees it.  Walking back from what they read: the ops this library
+    built (the copies, and the gradients that read them, whose records lead to copies no
+    tape holds) are walked through, here and in earlier rewrites whose results a tape
+    holds (recorded as one operation each), where the tape holds what a copy stands for
+    (its original op); a tensor made elsewhere that the tape holds (it recorded its op,
+    or watches it) is an input, from which the tape goes on; anything else (made before
+    the tape, under ``stop_recording``, or a copy of such an op) is a constant to the
+    tape, as it would be without the rewrite."""
+    rewrites = _rewrites.get(graph, ())
+    held: dict = {}  # index in rewrites -> whether a recording tape holds its results
+
+    def watched(t) -> bool:
+        return _tf_internals.recorded_by_an_outer_differentiator([t])[0]
+
+    def built_here(op) -> bool:
         order = graph_lib.op_order(op)
-        return order >= first or any(low <= order <= high for low, high in built)
+        if order >= first:
+            return True
+        for index, (low, high, results) in enumerate(rewrites):
+            if low <= order <= high:
+                if index not in held:
+                    held[index] = _tf_internals.recorded_by_an_outer_differentiator(results)[0]
+                return held[index]
+        return False
+
+    def stands_for_a_held_op(t) -> bool:
+        original = rewrite.original_of(t.op)
+        return original is None or watched(original.outputs[t.value_index])
 
     stack = []
     for op in reversed(graph.get_operations()):  # creation order: the newest last
         if graph_lib.op_order(op) < first:
             break
         stack.append(op)
-    seen, frontier = set(stack), {}
+    seen, inputs, constants = set(stack), {}, {}
     while stack:
         for t in stack.pop().inputs:
-            if library_made(t.op):
-                if t.op not in seen:
-                    seen.add(t.op)
-                    stack.append(t.op)
-            elif graph_lib.carries_gradient(t) or t.dtype in (tf.resource, tf.variant):
-                frontier.setdefault(t.ref(), t)
-    return list(frontier.values())
+            if t.op in seen or t.ref() in inputs or t.ref() in constants:
+                continue
+            differentiable = graph_lib.carries_gradient(t) or t.dtype in (tf.resource, tf.variant)
+            if built_here(t.op) and stands_for_a_held_op(t):
+                # (the tape may hold some of these ops, made the usual way, but their
+                # records lead to copies it does not hold)
+                seen.add(t.op)
+                stack.append(t.op)
+            elif differentiable and not built_here(t.op) and watched(t):
+                inputs[t.ref()] = t
+            elif differentiable:
+                constants[t.ref()] = t
+    return list(inputs.values()), list(constants.values())
 
 
 def _say_outer_differentiator(problem, outer: str) -> None:

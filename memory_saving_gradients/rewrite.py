@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import weakref
 from typing import Any, Callable, Collection, Iterable, Iterator, Optional, Sequence, Union
 
 from . import _tensorflow as _tf_internals
@@ -104,6 +105,8 @@ def copy_ops(
                 copies[old.ref()] = new
             copied_ops[op] = new_op
             _note_copy(new_op, op)
+            originals = _originals.setdefault(graph, {})
+            originals[new_op] = originals.get(op, op)
     return {
         t.ref(): copies[t.ref()] for op in ops for t in op.outputs
     }
@@ -635,6 +638,15 @@ _ORIGINAL_GET_GRADIENT_FUNCTION = _tf_internals.ORIGINAL_GRADIENT_FUNCTION_LOOKU
 def _current_calls():
     stack = getattr(_observing, "stack", None)
     return stack[-1] if stack else None
+
+
+# per graph, {copy: the op it copies} for every copy made (a copy of a copy: the first)
+_originals: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
+
+
+def original_of(op: tf.Operation) -> tf.Operation | None:
+    """The op ``op`` is a recomputed copy of, or None where it is no copy."""
+    return _originals.get(op.graph, {}).get(op)
 
 
 def _note_copy(copy: tf.Operation, original: tf.Operation) -> None:
