@@ -589,10 +589,13 @@ def _outer_differentiator(problem) -> str | None:
     by_tape, by_accumulator = _tf_internals.recorded_by_an_outer_differentiator(
         list(problem.ys) + list(problem.xs))
     if by_accumulator:
-        return "a tf.autodiff.ForwardAccumulator"
-    if by_tape and _made_outside_the_recording(problem.region) is not None:
-        return ("a tf.GradientTape that did not record all of this forward pass (ops made "
-                "before its with block or under stop_recording)")
+        return ("a tf.autodiff.ForwardAccumulator (forward over reverse: it cannot see "
+                "the recomputed ops)")
+    outside = _made_outside_the_recording(problem.region) if by_tape else None
+    if outside is not None:
+        return (f"a tf.GradientTape that did not record all of this forward pass (e.g. "
+                f"{outside.name}, made before its with block or under stop_recording: a "
+                "constant to it, which the recomputed ops would make again)")
     return None
 
 
@@ -611,11 +614,20 @@ def _made_outside_the_recording(region) -> tf.Operation | None:
         order = graph_lib.op_order(op)
         if any(low <= order <= high for low, high in built):
             continue  # the library's (a tape holds an earlier rewrite as one operation)
+        if not _tf_internals.is_function_call(op) and _has_no_gradient(op):
+            continue  # a tape records no op without a gradient (tf.stop_gradient, round)
         outputs = [t for t in op.outputs if graph_lib.carries_gradient(t)]
         if outputs and not held(outputs[0]) and any(
                 graph_lib.carries_gradient(t) and held(t) for t in op.inputs):
             return op
     return None
+
+
+def _has_no_gradient(op: tf.Operation) -> bool:
+    try:
+        return _tf_internals.gradient_function(op) is None
+    except LookupError:  # none registered: gradients() finds it before this is asked
+        return True
 
 
 def _plain_for_tapes(graph: tf.Graph, ys, xs, grad_ys, options: dict) -> list:
@@ -738,9 +750,8 @@ def _say_outer_differentiator(problem, outer: str) -> None:
         return
     _warned_outer.add(problem.graph)
     logger.warning(
-        "%s differentiates this gradient computation (forward over reverse): it cannot "
-        "see the recomputed ops, so plain tf.gradients is used for this one (no memory "
-        "saved for it).", outer)
+        "%s differentiates this gradient computation: plain tf.gradients is used for this "
+        "one (no memory saved for it).", outer)
 
 
 _warned_other_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()

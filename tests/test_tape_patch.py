@@ -528,6 +528,33 @@ def test_a_forward_pass_the_outer_tape_did_not_record_stays_a_constant_to_it(wei
     _close(mine(x), want, rtol=2e-4)
 
 
+def test_ops_without_a_gradient_inside_the_outer_tape_do_not_stop_the_rewrite(weights, x):
+    """A straight-through estimator (``h + tf.stop_gradient(tf.round(h) - h)``) inside
+    an outer tape: ops without a gradient are never recorded by a tape, which made the
+    inner gradient look like one over a forward pass the tape recorded only in part, and
+    fall back to plain tf.gradients."""
+    ws = weights[:10]
+
+    def step(x, library):
+        with tf.GradientTape() as outer:
+            outer.watch(x)
+            h = x
+            for i, w in enumerate(ws):
+                h = tf.tanh(tf.matmul(h, w))
+                if i == 4:
+                    h = h + tf.stop_gradient(tf.round(h) - h)
+            loss = tf.reduce_sum(h * h)
+            grads = (msg.gradients(loss, [x], checkpoints="memory") if library
+                     else tf.gradients(loss, [x]))
+            total = tf.reduce_sum(grads[0] * grads[0])
+        return outer.gradient(total, x)
+
+    want = tf.function(lambda x: step(x, False))(x)
+    ours = tf.function(lambda x: step(x, True))
+    assert _recomputes(ours.get_concrete_function(x).graph) > 0
+    _close(ours(x), want, rtol=2e-4)
+
+
 def test_jacobian_and_batch_jacobian_equal_the_plain_tape(weights):
     small = tf.random.stateless_normal([4, 32], seed=[1, 2])
 
