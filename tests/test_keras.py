@@ -2,7 +2,7 @@
 
 ``fit`` must train exactly as without it (batch norm, dropout), the step
 Keras builds must really contain recompute copies, and a deep net's process
-peak RSS must drop (measured in separate processes with ``ru_maxrss``,
+peak RSS must drop (measured in separate processes with ``VmHWM``,
 running ``examples/keras_fit.py``).
 """
 
