@@ -170,8 +170,9 @@ def test_max_pools_keep_their_workspaces_until_their_gradients(graph, measure_pe
                            feed)
     summary = f"plain {plain / MIB:.2f} MiB, ours {ours / MIB:.2f}; {the_plan}"
     assert abs(the_plan.baseline_peak_bytes - plain) <= 0.1 * plain, summary
-    # 28 MiB predicted before: 9-17 MiB under what was measured
-    assert -2 * MIB <= ours - the_plan.predicted_peak_bytes <= 8.5 * MIB, summary
+    assert -2 * MIB <= ours - the_plan.predicted_peak_bytes <= 10.5 * MIB, summary
+    # before: 28 of 60 predicted (0.47), where 37-45 of 62-66 were measured (0.56-0.73)
+    assert the_plan.predicted_ratio >= 0.52, summary
     assert ours < 0.7 * plain, summary
 
 
