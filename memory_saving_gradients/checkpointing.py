@@ -605,22 +605,21 @@ def _made_outside_the_recording(region) -> tf.Operation | None:
     ``stop_recording()``), or None.  To the tape its output is a constant; the rewrite's
     copies would make it again from what the tape holds, and the operation recorded for
     the rewrite would differentiate through it."""
-    def held(t) -> bool:
-        return _tf_internals.recorded_by_an_outer_differentiator([t])[0]
-
-    built = [(low, high) for low, high, _ in _rewrites.get(region.order[0].graph, ())
-             ] if region.order else []
     for op in region.order:
-        order = graph_lib.op_order(op)
-        if any(low <= order <= high for low, high in built):
+        if _rewrite_holding(op) is not None:
             continue  # the library's (a tape holds an earlier rewrite as one operation)
         if not _tf_internals.is_function_call(op) and _has_no_gradient(op):
             continue  # a tape records no op without a gradient (tf.stop_gradient, round)
         outputs = [t for t in op.outputs if graph_lib.carries_gradient(t)]
-        if outputs and not held(outputs[0]) and any(
-                graph_lib.carries_gradient(t) and held(t) for t in op.inputs):
+        if outputs and not _held_by_a_tape(outputs[0]) and any(
+                graph_lib.carries_gradient(t) and _held_by_a_tape(t) for t in op.inputs):
             return op
     return None
+
+
+def _held_by_a_tape(tensor: tf.Tensor) -> bool:
+    """Whether a recording ``tf.GradientTape`` holds ``tensor`` (recorded its op, or watches it)."""
+    return _tf_internals.recorded_by_an_outer_differentiator([tensor])[0]
 
 
 def _has_no_gradient(op: tf.Operation) -> bool:
@@ -685,6 +684,15 @@ def _remember_rewrite(graph: tf.Graph, first: int, results: list) -> None:
         (first, graph_lib.last_op_id(graph), _dense_tensors(results)))
 
 
+def _rewrite_holding(op: tf.Operation) -> int | None:
+    """Index in ``_rewrites[op.graph]`` of the library's computation that made ``op``, or None."""
+    order = graph_lib.op_order(op)
+    for index, (low, high, _) in enumerate(_rewrites.get(op.graph, ())):
+        if low <= order <= high:
+            return index
+    return None
+
+
 def _dense_tensors(results: list) -> list:
     tensors = [g.values if isinstance(g, tf.IndexedSlices) else g for g in results]
     return [t for t in tensors if isinstance(t, tf.Tensor)]
@@ -703,23 +711,19 @@ def _tape_frontier(graph: tf.Graph, first: int) -> tuple:
     rewrites = _rewrites.get(graph, ())
     held: dict = {}  # index in rewrites -> whether a recording tape holds its results
 
-    def watched(t) -> bool:
-        return _tf_internals.recorded_by_an_outer_differentiator([t])[0]
-
     def built_here(op) -> bool:
-        order = graph_lib.op_order(op)
-        if order >= first:
+        if graph_lib.op_order(op) >= first:
             return True
-        for index, (low, high, results) in enumerate(rewrites):
-            if low <= order <= high:
-                if index not in held:
-                    held[index] = _tf_internals.recorded_by_an_outer_differentiator(results)[0]
-                return held[index]
-        return False
+        index = _rewrite_holding(op)
+        if index is None:
+            return False
+        if index not in held:
+            held[index] = _tf_internals.recorded_by_an_outer_differentiator(rewrites[index][2])[0]
+        return held[index]
 
     def stands_for_a_held_op(t) -> bool:
         original = rewrite.original_of(t.op)
-        return original is None or watched(original.outputs[t.value_index])
+        return original is None or _held_by_a_tape(original.outputs[t.value_index])
 
     stack = []
     for op in reversed(graph.get_operations()):  # creation order: the newest last
@@ -737,7 +741,7 @@ def _tape_frontier(graph: tf.Graph, first: int) -> tuple:
                 # records lead to copies it does not hold)
                 seen.add(t.op)
                 stack.append(t.op)
-            elif differentiable and not built_here(t.op) and watched(t):
+            elif differentiable and not built_here(t.op) and _held_by_a_tape(t):
                 inputs[t.ref()] = t
             elif differentiable:
                 constants[t.ref()] = t
