@@ -93,6 +93,7 @@ from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import op_def_registry as _op_def_registry
 from tensorflow.python.framework import ops as _framework_ops
 from tensorflow.python.ops import control_flow_ops as _control_flow_ops
+from tensorflow.python.ops import custom_gradient as _custom_gradient
 from tensorflow.python.ops import control_flow_state as _control_flow_state
 from tensorflow.python.ops import control_flow_util as _control_flow_util
 from tensorflow.python.ops import default_gradient as _default_gradient
@@ -378,6 +379,51 @@ def has_gradient_override(op: tf.Operation) -> bool:
     except ValueError:
         return False
     return True
+
+
+#: The source file of ``tf.custom_gradient``'s graph-mode wrappers: their closures hold
+#: the function's results for their structure only, and its arguments.
+_CUSTOM_GRADIENT_FILE = _custom_gradient.__file__
+
+#: How many functions :func:`custom_gradient_closure_tensors` looks into at most.
+_CLOSURE_FUNCTIONS = 64
+
+
+def custom_gradient_closure_tensors(op: tf.Operation) -> tuple | None:
+    """``(own, wrappers')``: the tensors of ``op``'s graph that the Python gradient
+    function of a ``tf.custom_gradient`` op (found by its ``_gradient_op_type``) holds in
+    its closure, and in the closures of the functions it holds (the docstring's
+    ``log1pexp`` holds ``tf.exp(x)``, made inside the function); those that TensorFlow's
+    own wrappers in ``custom_gradient.py`` hold apart (the function's results, for their
+    structure only; ``tf.recompute_grad``'s arguments, which it reads).  None for an op
+    without an override function."""
+    try:
+        function = _framework_ops.gradient_registry.lookup(op.get_attr("_gradient_op_type"))
+    except (ValueError, LookupError):
+        return None
+    own: dict = {}
+    wrappers: dict = {}
+    stack, seen = [function], set()
+    while stack and len(seen) < _CLOSURE_FUNCTIONS:
+        function = stack.pop()
+        function = getattr(function, "__func__", function)  # a bound method's function
+        if id(function) in seen or not hasattr(function, "__code__"):
+            continue
+        seen.add(id(function))
+        found = wrappers if function.__code__.co_filename == _CUSTOM_GRADIENT_FILE else own
+        for cell in function.__closure__ or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # not yet filled
+                continue
+            values = list(value.values()) if isinstance(value, dict) else (
+                list(value) if isinstance(value, (list, tuple)) else [value])
+            for item in values:
+                if callable(item) and hasattr(getattr(item, "__func__", item), "__code__"):
+                    stack.append(item)
+                elif isinstance(item, tf.Tensor) and getattr(item, "graph", None) is op.graph:
+                    found[item.ref()] = item
+    return list(own.values()), list(wrappers.values())
 
 
 def replace_gradient_function_lookup(lookup) -> None:

@@ -1170,10 +1170,9 @@ def _why_nothing_helps(region) -> str:
     if custom:
         return (
             f"{custom} of them are tf.custom_gradient functions (tf.recompute_grad blocks, "
-            "Keras' quantized layers, silu), whose gradients read their arguments as the "
-            "forward pass made them: "
-            "those stay alive whatever the plan, and the activations left to recompute "
-            "are small next to what the backward pass must hold anyway"
+            "Keras' quantized layers, silu), whose gradients read what their Python "
+            "closures hold, and the activations left to recompute are small next to "
+            "what the backward pass must hold anyway"
         )
     return "its activations are small next to what the backward pass must hold anyway"
 
@@ -1443,8 +1442,12 @@ class _BackwardPass:
                 if (index, position) in self._late:
                     late.add(copy)
         made_after = graph_lib.last_op_id(copies[targets[0].ref()].graph)
+        running = graph_lib.copies_that_run(
+            step.segment.ops, graph_lib.needs_gradient_in(self._request.region, self._x_keys),
+            self._schedule.read_kept)
         try:
-            with self._gates.recording(gated, late):
+            with rewrite.closures_read_copies(copies, running), \
+                    self._gates.recording(gated, late):
                 input_grads = tf_gradients(
                     [copies[t.ref()] for t in targets],
                     [inputs[t.ref()] for t in step.inputs],
@@ -1455,9 +1458,6 @@ class _BackwardPass:
                 )
         except LookupError as error:
             raise _naming_original(error, step.segment.ops, copies) from error
-        running = graph_lib.copies_that_run(
-            step.segment.ops, graph_lib.needs_gradient_in(self._request.region, self._x_keys),
-            self._schedule.read_kept)
         rewrite.read_kept_outputs(step.segment.ops, copies, running, self._schedule.read_kept,
                                   made_after)
         if not self._for_xla:

@@ -89,6 +89,17 @@ def shares_input_buffer(op: tf.Operation) -> bool:
         (op.type in op_types.ALIASES and not copies_on_read(op)) or is_identity_transpose(op))
 
 
+def forwarded_input(tensor: tf.Tensor) -> tf.Tensor | None:
+    """The input whose buffer ``tensor`` holds (its op allocates nothing for it), or None:
+    the first input, for the output of an op that :func:`shares_input_buffer`; input i,
+    for output i of an ``IdentityN`` (a ``tf.custom_gradient`` function's op: its
+    closure may read a result, which then is the buffer the next layer reads)."""
+    op = tensor.op
+    if op.type == "IdentityN":
+        return op.inputs[tensor.value_index] if tensor.value_index < len(op.inputs) else None
+    return op.inputs[0] if tensor.value_index == 0 and shares_input_buffer(op) else None
+
+
 def copies_on_read(op: tf.Operation) -> bool:
     """Whether a variable read (``ReadVariableOp``) copies the variable's buffer.
 
@@ -272,12 +283,40 @@ def custom_gradient_arguments(op: tf.Operation) -> tuple | None:
     """The inputs of a ``tf.custom_gradient`` function's op (graph mode: an ``IdentityN``
     of its results, then its arguments, with a gradient override) that get a gradient:
     its arguments.  Its gradient function is a Python closure that reads them as the
-    forward pass made them, also for a recomputed copy (``tf.nn.silu`` and swish are
-    such functions).  Its results get None, so the ops that computed them are not
-    differentiated.  None for any other op."""
+    forward pass made them (``tf.nn.silu`` and swish are such functions); a recomputed
+    copy's gradient is made to read their copies where those run
+    (:func:`.rewrite.closures_read_copies`).  Its results get None, so the ops that
+    computed them are not differentiated.  None for any other op."""
     if op.type != "IdentityN" or not _tf_internals.has_gradient_override(op):
         return None
     return tuple(t for t in op.inputs[_custom_gradient_results(op):] if t.dtype != tf.resource)
+
+
+def custom_gradient_reads(op: tf.Operation) -> tuple | None:
+    """The tensors a ``tf.custom_gradient`` op's gradient function reads: what its Python
+    closure holds (the docstring's ``log1pexp`` holds ``tf.exp(x)``, made inside the
+    function, and not ``x``; ``tf.nn.silu`` its argument), and the arguments that
+    TensorFlow's wrappers hold (``tf.recompute_grad``'s); all its arguments where its
+    function is not found.  A recomputed copy's gradient reads their copies where those
+    run (:func:`.rewrite.closures_read_copies`).  None for any other op."""
+    arguments = custom_gradient_arguments(op)
+    if arguments is None:
+        return None
+    found = _tf_internals.custom_gradient_closure_tensors(op)
+    if found is None:
+        return arguments
+    own, wrappers = found
+    argument_refs = {t.ref() for t in arguments}
+    reads = {t.ref(): t for t in wrappers if t.ref() in argument_refs}
+    reads.update((t.ref(), t) for t in own)
+    return tuple(t for t in reads.values() if t.dtype != tf.resource)
+
+
+def custom_gradient_closure_reads(op: tf.Operation) -> tuple:
+    """What :func:`custom_gradient_reads` finds that ``op`` does not take as an input
+    (made inside the function); ``()`` for any other op."""
+    inputs = {t.ref() for t in op.inputs}
+    return tuple(t for t in custom_gradient_reads(op) or () if t.ref() not in inputs)
 
 
 def _custom_gradient_results(op: tf.Operation) -> int:
@@ -305,7 +344,7 @@ def gradient_reads(op: tf.Operation, needs_gradient: NeedsGradient = lambda tens
     """
     arguments = custom_gradient_arguments(op)
     if arguments is not None:
-        return arguments, ()
+        return custom_gradient_reads(op), ()
     reads = _gradient_reads_by_type(op, needs_gradient)
     index = op_types.GRADIENT_ZEROS_LIKE_INPUT.get(op.type)
     if index is not None and len(op.inputs) > index and not op.inputs[index].shape.is_fully_defined():
@@ -409,8 +448,9 @@ def loop_accumulators(op: tf.Operation) -> LoopAccumulators | None:
 
 def buffer_root(tensor: tf.Tensor) -> tf.Tensor:
     """The tensor whose buffer ``tensor`` shares, through ops that forward their input's."""
-    while shares_input_buffer(tensor.op):
-        tensor = tensor.op.inputs[0]
+    source = forwarded_input(tensor)
+    while source is not None:
+        tensor, source = source, forwarded_input(source)
     return tensor
 
 
@@ -540,9 +580,12 @@ def copies_that_run(ops: Sequence[tf.Operation], needs_gradient: NeedsGradient =
     that gradient (:func:`.rewrite.read_kept_outputs`).
     """
     inside = set(ops)
-    running: set = set()
+    # what a custom gradient's closure reads, made in the segment: its gradient reads
+    # the copy (:func:`.rewrite.closures_read_copies`)
+    running: set = {t.op for op in ops for t in custom_gradient_closure_reads(op)
+                    if t.op in inside}
     for op in sorted(ops, key=op_order, reverse=True):
-        if any(t.ref() not in kept for t in gradient_reads(op)[1]) or any(
+        if op in running or any(t.ref() not in kept for t in gradient_reads(op)[1]) or any(
             c in running or gradient_reads_output_of(op, c, needs_gradient)
             for t in op.outputs for c in t.consumers() if c in inside
         ):
@@ -824,9 +867,7 @@ class ForwardRegion:
         folded: dict = {}
         found = []
         for t in _read_from_outside(self):
-            buffer = t
-            while shares_input_buffer(buffer.op):
-                buffer = buffer.op.inputs[0]
+            buffer = buffer_root(t)
             if (buffer.dtype in (tf.resource, tf.variant)
                     or buffer.op.type in op_types.NOT_ALLOCATED_IN_STEP
                     or _folds_to_constant(buffer.op, folded, made_after=-1)):

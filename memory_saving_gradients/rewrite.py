@@ -273,6 +273,64 @@ def _reads_recomputed(producer: tf.Operation, copies: frozenset, made_after: int
     return False
 
 
+@contextlib.contextmanager
+def closures_read_copies(copies: dict, running: Collection[tf.Operation]) -> Iterator[None]:
+    """Inside the block, the gradient of each copied ``tf.custom_gradient`` op reads the
+    copies of the forward tensors its Python closure reads, where those copies run
+    (``running``: the originals' ops; ``copies``: original tensor ref -> copy).  The
+    closure holds the tensors the forward pass made (its arguments, tensors made inside
+    the function: the docstring's ``log1pexp`` reads ``tf.exp(x)``), so the gradient of a
+    copy read the originals, which stayed alive from the forward pass to the backward
+    pass beside the copies: 16 such layers measured more than plain ``tf.gradients``.
+    Value for value the copies are the originals."""
+    replaced = []
+    for copy in _unique_ops(t.op for t in copies.values()):
+        if graph_lib.custom_gradient_arguments(copy) is None:
+            continue
+        try:
+            function = _tf_internals.gradient_function(copy)
+        except LookupError:
+            continue
+        if function is None:
+            continue
+        replaced.append((copy, _tf_internals.gradient_override(copy)))
+        _tf_internals.set_gradient_override(copy, _reading_copies(function, copies, running))
+    try:
+        yield
+    finally:
+        for copy, previous in replaced:
+            _tf_internals.set_gradient_override(copy, previous)
+
+
+def _reading_copies(function, copies: dict, running: Collection[tf.Operation]):
+    """``function``; then every op it made (newer than ``op`` and its output gradients)
+    that reads an original tensor whose copy runs reads the copy instead."""
+
+    def gradient(op, *output_gradients):
+        made_after = max([graph_lib.op_order(op)] + [
+            graph_lib.op_order(t.op) for g in output_gradients if g is not None
+            for t in tensors_of(g) if isinstance(t, tf.Tensor)])
+        results = function(op, *output_gradients)
+        parts = results if isinstance(results, (list, tuple)) else [results]
+        stack = [t.op for g in parts if g is not None for t in tensors_of(g)
+                 if isinstance(t, tf.Tensor)]
+        seen = set()
+        while stack:
+            current = stack.pop()
+            if current in seen or graph_lib.op_order(current) <= made_after:
+                continue
+            seen.add(current)
+            for index, t in enumerate(list(current.inputs)):
+                copy = copies.get(t.ref()) if t.op in running else None
+                if copy is not None:
+                    _tf_internals.update_input(current, index, copy)
+                else:
+                    stack.append(t.op)
+        return results
+
+    return gradient
+
+
 def _copied_attrs(op: tf.Operation) -> dict:
     """The attrs of ``op`` for its copy, less the mark a v1 ``xla.compile`` context sets itself."""
     attrs = dict(op.node_def.attr)

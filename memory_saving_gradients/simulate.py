@@ -927,8 +927,9 @@ def _forward(timeline: _Timeline, region, size) -> int:
             # waiting for its incoming gradient: from the backward pass's start
             timeline.alloc(_loop_zeros_key(op), size.loop_gradient_bytes(op), end)
         for t in op.outputs:
-            if graph_lib.shares_input_buffer(op):
-                timeline.alias_of(t.ref(), op.inputs[0].ref())
+            source = graph_lib.forwarded_input(t)
+            if source is not None:
+                timeline.alias_of(t.ref(), source.ref())
                 if t.ref() not in timeline.alias:
                     timeline.alloc(t.ref(), 0, step)
             else:
@@ -1054,18 +1055,16 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
             [t.ref() for t in op.outputs],
             [(t.ref(), _gradient_size(t, op, size)) for t in differentiated
              if graph_lib.carries_gradient(t) and wanted(t)],
-            arguments is not None,
         )
         memo[op] = found
-    reads, outputs, emitted, closure = found
+    reads, outputs, emitted = found
     if not grads.has_any(outputs):
         return False  # no gradient reaches it (a custom gradient's inner ops): not differentiated
     unpaired = _kept_unpaired(op, rename, size)
     for ref in reads:
         if unpaired and ref.__class__ is tuple and ref[0] == "kept":
             continue  # the kernel cannot read it: the operands come from different ops
-        # a custom gradient's closure reads the forward pass's tensors, also for a copy
-        timeline.use(ref if closure else rename(ref), step)
+        timeline.use(rename(ref), step)
     if unpaired:
         _scratch(timeline, workspace.max_pool_gradient_bytes(op, size), step)
         # TensorFlow's kernel writes its result into its first operand's buffer where
@@ -1380,8 +1379,9 @@ class _Replay:
                 timeline.use(rename(t.ref()), self.step)
             for t in op.outputs:
                 key = (index, t.ref())
-                if graph_lib.shares_input_buffer(op):
-                    timeline.alias_of(key, rename(op.inputs[0].ref()))
+                source = graph_lib.forwarded_input(t)
+                if source is not None:
+                    timeline.alias_of(key, rename(source.ref()))
                     if key not in timeline.alias:
                         timeline.alloc(key, 0, self.step)
                 else:

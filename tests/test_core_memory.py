@@ -213,7 +213,7 @@ def test_collection_checkpoints_save_the_same(graph, measure_peak):
 def _assert_plan_is_measured(loss, ws, feed, measure_peak, slack: float) -> None:
     """plan()'s peaks of plain tf.gradients and of 'memory' are within ``slack`` of the
     measured ones (the least of two measurements each), and 'memory''s gradients equal
-    tf.gradients'."""
+    tf.gradients'.  Returns the measured peaks (plain, 'memory')."""
     the_plan = msg.plan(loss, ws, checkpoints="memory")
     want = tf.compat.v1.gradients(loss, ws)
     got = msg.gradients(loss, ws, checkpoints="memory")
@@ -226,26 +226,61 @@ def _assert_plan_is_measured(loss, ws, feed, measure_peak, slack: float) -> None
         session.run(tf.compat.v1.global_variables_initializer())
         for a, b in zip(*session.run([want, got], feed)):
             np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * np.abs(a).max())
+    return plain, ours
+
+
+@tf.custom_gradient
+def _log1pexp(x):
+    """``tf.custom_gradient``'s own docstring example: the closure holds ``exp(x)``, made
+    inside the function, and not ``x``."""
+    e = tf.exp(x)
+
+    def grad(upstream):
+        return upstream * (1 - 1 / (1 + e))
+
+    return tf.math.log(1 + e), grad
+
+
+@tf.custom_gradient
+def _swish(x):
+    """A swish whose closure holds its sigmoid and its result (the next layer's input)."""
+    s = tf.sigmoid(x)
+    y = x * s
+
+    def grad(dy):
+        return dy * (s + y * (1 - s))
+
+    return y, grad
 
 
 @pytest.mark.memory
-def test_custom_gradient_activations_are_modelled_as_tensorflow_runs_them(graph, measure_peak):
-    """``tf.nn.silu`` is a ``tf.custom_gradient`` function: its gradient is a closure that
-    reads the forward pass's pre-activation (also for a recomputed copy, whose gradient
-    reads the original), and the ops inside it (its sigmoid and product) are never
-    differentiated.  16 silu layers of [512, 512]: plan()'s peaks of plain tf.gradients
-    and of 'memory' are within 10% of the measured ones (plain was predicted 51 MB
-    against 34 measured, the inner ops' reads counted), and the gradients equal
-    tf.gradients'."""
+@pytest.mark.parametrize("activation", [tf.nn.silu, _log1pexp, _swish],
+                         ids=["silu", "log1pexp", "swish"])
+def test_custom_gradient_activations_are_modelled_as_tensorflow_runs_them(
+        graph, measure_peak, activation):
+    """A ``tf.custom_gradient`` function's gradient is a Python closure that reads the
+    tensors it holds (``tf.nn.silu``: its argument; the docstring's ``log1pexp``:
+    ``exp(x)``, made inside the function; a swish: its sigmoid and its result), and the
+    ops inside it are never differentiated.  A recomputed copy's gradient reads the
+    copies of those tensors (:func:`rewrite.closures_read_copies`): it read the
+    originals, which stayed alive beside the copies (a helper's trial: 'memory' measured
+    0.86x plain with log1pexp and 1.25x with the swish, planned at 0.56x).  16 layers of
+    [512, 512]: plan()'s peaks of plain tf.gradients and of 'memory' are within 10% of
+    the measured ones (silu's plain was predicted 51 MB against 34 measured with the
+    inner ops' reads counted; the swish's 50 with its result counted apart from the
+    ``IdentityN`` output that forwards it), 'memory' measures at most 0.7x plain (21
+    against 33-34 MB for each here; log1pexp measured 28 before), and the gradients
+    equal tf.gradients'."""
     rng = np.random.default_rng(0)
     x = tf.compat.v1.placeholder(tf.float32, [512, 512])
     ws, h = [], x
     for _ in range(16):
         ws.append(tf.Variable(rng.standard_normal((512, 512)).astype(np.float32) / 23))
-        h = tf.nn.silu(h @ ws[-1])
+        h = activation(h @ ws[-1])
     loss = tf.reduce_sum(h * h)
     feed = {x: rng.standard_normal((512, 512)).astype(np.float32)}
-    _assert_plan_is_measured(loss, ws, feed, measure_peak, slack=0.1)
+    plain, ours = _assert_plan_is_measured(loss, ws, feed, measure_peak, slack=0.1)
+    assert ours <= 0.7 * plain, (plain / MIB, ours / MIB)
 
 
 @pytest.mark.memory

@@ -75,6 +75,53 @@ def test_a_complex_chain(graph, run_both, assert_grads_match, dtype):
     assert scale_conjugates and not any(op.control_inputs for op in scale_conjugates)
 
 
+@tf.custom_gradient
+def _swish_holding_its_insides(x):
+    """A swish whose gradient closure holds its sigmoid and its result (made inside)."""
+    s = tf.sigmoid(x)
+    y = x * s
+
+    def grad(dy):
+        return dy * (s + y * (1 - s))
+
+    return y, grad
+
+
+def test_a_custom_gradient_closure_reads_the_copies_of_what_it_holds(graph, run_both,
+                                                                      assert_grads_match):
+    """A ``tf.custom_gradient`` closure holds tensors made inside the function: the
+    gradient of a recomputed copy reads their copies (an original it read stayed alive
+    from the forward pass), and one made in an earlier segment or kept, the original.
+    Checkpoints at every second layer's result, at tensors inside the functions (the
+    sigmoid, which the closure reads, and the pre-activation), and 'memory': the values
+    equal tf.gradients', and no gradient op reads an original sigmoid whose copy runs in
+    its step."""
+    rng = np.random.default_rng(0)
+    x = tf.compat.v1.placeholder(tf.float64, [16, 32])
+    ws, h, inner, pre = [], x, [], []
+    for _ in range(8):
+        ws.append(tf.Variable(rng.standard_normal((32, 32)) / 6))
+        pre.append(h @ ws[-1])
+        h = _swish_holding_its_insides(pre[-1])
+        inner.append(h.op.inputs[0].op.inputs[1])  # the sigmoid (y = x * s)
+    loss = tf.reduce_sum(h * h)
+    feed = {x: rng.standard_normal((16, 32))}
+    theirs = tf_gradients(loss, ws + [x])
+    sigmoids = {t.op for t in inner}
+    assert all(op.type == "Sigmoid" for op in sigmoids)
+    for checkpoints in ([inner[2], inner[5], pre[1], pre[4]], "memory"):
+        before = names(graph)
+        ours = msg.gradients(loss, ws + [x], checkpoints=checkpoints)
+        copies = recomputed(graph, before)
+        copied = {op.name.rsplit("/", 1)[-1] for op in copies if op.type == "Sigmoid"}
+        assert copied
+        gradient_ops = [op for op in new_ops(graph, before) if "backprop_" in op.name]
+        readers = [op.name for op in gradient_ops
+                   for t in op.inputs if t.op in sigmoids and t.op.name in copied]
+        assert not readers, readers
+        assert_grads_match(ours, theirs, *run_both(ours, theirs, feed))
+
+
 def test_a_gradient_op_of_a_constant_too_large_to_fold_still_waits(graph):
     """Grappler folds no constant over 10 MiB, so a gradient op that reads only such a
     constant (the Conj of a large complex scale) still runs when it is free to: it waits
