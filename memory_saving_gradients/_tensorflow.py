@@ -93,9 +93,9 @@ from tensorflow.python.framework import func_graph as _func_graph
 from tensorflow.python.framework import op_def_registry as _op_def_registry
 from tensorflow.python.framework import ops as _framework_ops
 from tensorflow.python.ops import control_flow_ops as _control_flow_ops
-from tensorflow.python.ops import custom_gradient as _custom_gradient
 from tensorflow.python.ops import control_flow_state as _control_flow_state
 from tensorflow.python.ops import control_flow_util as _control_flow_util
+from tensorflow.python.ops import custom_gradient as _custom_gradient
 from tensorflow.python.ops import default_gradient as _default_gradient
 from tensorflow.python.ops import gradients_impl as _gradients_impl
 from tensorflow.python.ops import gradients_util as _gradients_util
