@@ -480,6 +480,34 @@ def test_function_captures_custom_gradients_and_py_function_frames():
     assert bool(seen) and not shim.running_in_py_function()
 
 
+def test_what_a_custom_gradient_closure_holds():
+    """``custom_gradient_closure_tensors``: the user's closure (the docstring's log1pexp
+    holds ``exp(x)``), TensorFlow's wrappers apart (``tf.recompute_grad`` holds its
+    arguments there; the results, held for their structure, are not the user's), and
+    None for an op without an override."""
+
+    @tf.custom_gradient
+    def log1pexp(x):
+        e = tf.exp(x)
+
+        def grad(upstream):
+            return upstream * (1 - 1 / (1 + e))
+
+        return tf.math.log(1 + e), grad
+
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 2])
+        y = log1pexp(x)
+        z = tf.recompute_grad(lambda a: tf.tanh(a))(x)
+        own, wrappers = shim.custom_gradient_closure_tensors(y.op)
+        assert [t.op.type for t in own] == ["Exp"]
+        assert [t.op.type for t in wrappers] == ["Log"]  # the result, for its structure
+        own, wrappers = shim.custom_gradient_closure_tensors(z.op)
+        assert own == [] and any(t is x for t in wrappers)
+        assert shim.custom_gradient_closure_tensors(x.op) is None
+
+
 def test_devices_and_kernels():
     gpus = tf.config.list_physical_devices("GPU")
     assert shim.gpu_visible() == bool(gpus)
