@@ -169,7 +169,8 @@ def any_batch_checkpoints(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], regi
     sizers = {b: simulate.Sizer(b) for b in batches}
     candidates = {(): []}
     for b in batches:
-        chosen = memory_checkpoints(ys, xs, region, None, b, trade, sizer=sizers[b])
+        chosen = memory_checkpoints(ys, xs, region, None, b, trade, sizer=sizers[b],
+                                    drop_cuts=False)
         candidates.setdefault(tuple(t.ref() for t in chosen), chosen)
     peaks, recompute = {}, {}
     for key, tensors in candidates.items():
@@ -210,6 +211,24 @@ SCORE_TIE = 0.02
 SLACK_PROBES = 4
 #: Model budgets just above the floor (as multiples of it) also tried for the least peak.
 FLOOR_PROBES = (1.1,)
+#: Times the plan of least peak found tries dropping one of its cuts, and how many of
+#: them each time (see ``_Proposals.without_a_cut``).
+DROP_PASSES = 2
+DROPS_TRIED = 16
+#: ... on graphs of at most this many ops between xs and ys (ResNet-56 has 368), where
+#: those simulations are cheap.  On larger graphs they cost more than the rest of the
+#: rewrite: ResNet-110 (719 ops, batch 2) built in 5.9x ``tf.gradients``' time with the
+#: search against 2.2-2.9x without (``tests/test_planner_fidelity.py`` allows 4.5x), a
+#: 4,000-op ResNet in 4.66x (``tests/test_rewrite_scaling.py`` allows 4x).
+DROP_SEARCH_OPS = 400
+
+
+def _spread(items: Sequence, count: int) -> list:
+    """At most ``count`` of ``items``, evenly spread, the first and the last among them."""
+    if len(items) <= count:
+        return list(items)
+    step = (len(items) - 1) / (count - 1)
+    return [items[round(i * step)] for i in range(count)]
 
 
 class Proposal(NamedTuple):
@@ -220,6 +239,7 @@ class Proposal(NamedTuple):
                          # one for a plan the program did not propose)
     tensors: list        # the checkpoints
     work: float          # simulated recomputation
+    cuts: tuple = ()     # the program's cut positions it keeps (none for a given list)
 
 
 class Floor(NamedTuple):
@@ -239,8 +259,9 @@ class _Proposals:
     """
 
     def __init__(self, ys, xs, region, cuts, unknown_dim: int, fetched: bool,
-                 size: simulate.Sizer):
+                 size: simulate.Sizer, drop_cuts: bool = True):
         self.ys, self.xs, self.region = ys, xs, region
+        self.drop_cuts = drop_cuts
         self.unknown_dim, self.fetched, self.size = unknown_dim, fetched, size
         fixed = sum(
             graph_lib.tensor_bytes(x, unknown_dim) for x in xs
@@ -271,13 +292,40 @@ class _Proposals:
         if solution is None:
             return None
         chosen_cuts, model_work = solution
-        key = tuple(chosen_cuts)
+        return self._of_cuts(tuple(chosen_cuts), model_work)
+
+    def _of_cuts(self, key: tuple, model_work: float | None = None) -> Proposal:
+        """The proposal keeping the cut positions ``key``, simulated once (its
+        ``model_work`` the simulated one where the program did not propose it)."""
         if key not in self._simulated:
-            tensors = [t for i in chosen_cuts for t in self._recomputable[i - 1]]
+            tensors = [t for i in key for t in self._recomputable[i - 1]]
             predicted = self._predict(tensors)
-            self._simulated[key] = Proposal(predicted.peak_bytes, model_work, tensors,
-                                            predicted.recompute_work)
+            work = predicted.recompute_work if model_work is None else model_work
+            self._simulated[key] = Proposal(predicted.peak_bytes, work, tensors,
+                                            predicted.recompute_work, key)
         return self._simulated[key]
+
+    def without_a_cut(self, proposal: Proposal) -> Proposal:
+        """``proposal``, or a plan of lower simulated peak found by dropping one of its
+        cuts (at most :data:`DROPS_TRIED` of them, spread from the first to the last),
+        repeated while that lowers it (at most :data:`DROP_PASSES` times); tried on
+        graphs of at most :data:`DROP_SEARCH_OPS` ops.  The
+        program's model of a segment's bytes is coarse: at a small batch, where weights
+        and their gradients weigh as much as activations, it kept a cut whose tensors
+        the simulation finds cost more than they save (eight conv-BN-ReLU layers at
+        batch 8: 9.04 MB, 8.04 without the first convolution's output, where the same
+        graph planned for every batch got 8.18)."""
+        best = proposal
+        for _ in range(DROP_PASSES):
+            if len(best.cuts) < 2:
+                break
+            lower = min((self._of_cuts(tuple(c for c in best.cuts if c != dropped))
+                         for dropped in _spread(best.cuts, DROPS_TRIED)),
+                        key=lambda p: (p.peak, p.work))
+            if lower.peak >= best.peak:
+                break
+            best = lower
+        return best
 
     def of_tensors(self, tensors) -> Proposal | None:
         """A given list of checkpoints, simulated as a proposal (its ``model_work`` the
@@ -315,19 +363,27 @@ class _Proposals:
             floors.append(Floor(problem, floor, self.at(problem, floor, at_floor)))
             found += [floors[-1].proposal] + [self.at(problem, floor * f) for f in FLOOR_PROBES]
         found = [p for p in found if p]
-        return floors, min(found, key=lambda p: (p.peak, p.model_work)) if found else None
+        if not found:
+            return floors, None
+        lowest = min(found, key=lambda p: (p.peak, p.model_work))
+        if self.drop_cuts and len(self.region.order) <= DROP_SEARCH_OPS:
+            lowest = self.without_a_cut(lowest)
+        return floors, lowest
 
 
 @_gc.without_cyclic_gc
 def memory_checkpoints(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: ForwardRegion,
                        memory_budget: float | None = None, unknown_dim: int = 1,
-                       trade: bool = False, sizer: simulate.Sizer | None = None) -> list:
+                       trade: bool = False, sizer: simulate.Sizer | None = None,
+                       drop_cuts: bool = True) -> list:
     """The 'memory' (``trade=False``) or 'balanced' (``trade=True``) choice of checkpoints.
 
     The dynamic program of :mod:`.budget` uses a coarse model of a segment's
     memory; each plan it proposes is checked with the finer model of
     :mod:`.simulate`, which has the last word.  ``sizer``: a ``Sizer`` of
-    ``unknown_dim`` to share with other predictions.
+    ``unknown_dim`` to share with other predictions.  ``drop_cuts``: whether the plan
+    of least peak found tries dropping its cuts (``_Proposals.without_a_cut``; the plan
+    for every batch has the other batches' plans as candidates instead).
     """
     size = sizer or simulate.Sizer(unknown_dim)
     xs_refs = {x.ref() for x in xs}
@@ -339,7 +395,7 @@ def memory_checkpoints(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region:
     # xs fetched, alive to the end.  Without one, as in a training step, where
     # each is used by its update at once (else large weights hide the saving).
     fetched = memory_budget is not None
-    proposals = _Proposals(ys, xs, region, cuts, unknown_dim, fetched, size)
+    proposals = _Proposals(ys, xs, region, cuts, unknown_dim, fetched, size, drop_cuts)
     if memory_budget is None:
         return _unbudgeted_choice(proposals, trade)
     return _budgeted_choice(proposals, memory_budget)

@@ -284,6 +284,48 @@ def test_custom_gradient_activations_are_modelled_as_tensorflow_runs_them(
 
 
 @pytest.mark.memory
+def test_recompute_grad_blocks_are_checkpointed_across():
+    """Six ``tf.recompute_grad`` blocks of two tanh(matmul) layers ([4096, 256]) in a
+    ``tf.function``: each block's gradient closure reads its arguments, and a recomputed
+    copy's reads their copies, so 'memory' can keep tensors across blocks and save; the
+    plan of least peak is found by dropping cuts from the program's (its own plan kept
+    nothing: ``strategies._Proposals.without_a_cut``).  Measured 32.5 MiB plain, 24.75
+    with 'memory', planned 36 and 28 (11% and 13% over): plan()'s peaks within 15% of
+    the measured ones (least of three steps each),
+    'memory' at most 0.85x plain, gradients equal.  (In a v1 Session, grappler merges
+    the blocks' own recomputation with their forward ops: plain measured 64 MB.)"""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.standard_normal((4096, 256)).astype(np.float32))
+    ws = [tf.Variable(rng.standard_normal((256, 256)).astype(np.float32) / 16) for _ in range(6)]
+    block = tf.recompute_grad(lambda h, w: tf.tanh(tf.matmul(tf.tanh(tf.matmul(h, w)), w)))
+    plans = []
+
+    def step(ours):
+        @tf.function
+        def run():
+            h = x
+            for w in ws:
+                h = block(h, w)
+            loss = tf.reduce_sum(h * h)
+            if not ours:
+                return tf.gradients(loss, ws)
+            plans.append(msg.plan(loss, ws, checkpoints="memory"))
+            return msg.gradients(loss, ws, checkpoints="memory")
+        return run
+
+    plain_step, our_step = step(False), step(True)
+    for a, b in zip(plain_step(), our_step()):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * np.abs(a).max())
+    plain = min(msg.peak_memory_during(plain_step) for _ in range(3))
+    ours = min(msg.peak_memory_during(our_step) for _ in range(3))
+    the_plan = plans[0]
+    summary = (str(the_plan), plain / MIB, ours / MIB)
+    assert abs(the_plan.baseline_peak_bytes / plain - 1) <= 0.15, summary
+    assert abs(the_plan.predicted_peak_bytes / ours - 1) <= 0.15, summary
+    assert ours <= 0.85 * plain, summary
+
+
+@pytest.mark.memory
 def test_custom_gradient_reads_do_not_depend_on_gradients_built_before(graph, measure_peak):
     """With an unknown batch a gradient built in the graph reads the outputs that a
     ``tf.custom_gradient``'s ``IdentityN`` passes its arguments through (``zeros_like``
