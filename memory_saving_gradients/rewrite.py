@@ -176,24 +176,11 @@ class GradientGates:
         it, the mixed ones of each copy not in ``late`` wait for each other."""
         late = frozenset(late)
         recorded: list = []
-        replaced = []
         copies = frozenset(copies)
-        graph = None
-        for op in copies:
-            graph = op.graph
-            try:
-                function = _tf_internals.gradient_function(op)
-            except LookupError:
-                continue
-            if function is None:
-                continue
-            replaced.append((op, _tf_internals.gradient_override(op)))
-            _tf_internals.set_gradient_override(op, _recording_gradient(function, recorded, copies))
-        try:
+        graph = next(iter(copies)).graph if copies else None
+        with _wrapped_gradients(
+                copies, lambda function: _recording_gradient(function, recorded, copies)):
             yield
-        finally:
-            for op, previous in replaced:
-                _tf_internals.set_gradient_override(op, previous)
         last_id = graph_lib.last_op_id(graph) if graph is not None else 0
         for op, producers, newest_id, mixed in recorded:
             gate = self._gates[op] = _Gate(producers, newest_id, last_id, mixed)
@@ -283,23 +270,31 @@ def closures_read_copies(copies: dict, running: Collection[tf.Operation]) -> Ite
     copy read the originals, which stayed alive from the forward pass to the backward
     pass beside the copies: 16 such layers measured more than plain ``tf.gradients``.
     Value for value the copies are the originals."""
+    custom = [op for op in _unique_ops(t.op for t in copies.values())
+              if graph_lib.custom_gradient_arguments(op) is not None]
+    with _wrapped_gradients(custom, lambda function: _reading_copies(function, copies, running)):
+        yield
+
+
+@contextlib.contextmanager
+def _wrapped_gradients(ops: Iterable[tf.Operation], wrap) -> Iterator[None]:
+    """Inside the block, ``tf.gradients`` differentiates each of ``ops`` that has a gradient
+    function by ``wrap(function)``; each op's own override is put back after."""
     replaced = []
-    for copy in _unique_ops(t.op for t in copies.values()):
-        if graph_lib.custom_gradient_arguments(copy) is None:
-            continue
+    for op in ops:
         try:
-            function = _tf_internals.gradient_function(copy)
+            function = _tf_internals.gradient_function(op)
         except LookupError:
             continue
         if function is None:
             continue
-        replaced.append((copy, _tf_internals.gradient_override(copy)))
-        _tf_internals.set_gradient_override(copy, _reading_copies(function, copies, running))
+        replaced.append((op, _tf_internals.gradient_override(op)))
+        _tf_internals.set_gradient_override(op, wrap(function))
     try:
         yield
     finally:
-        for copy, previous in replaced:
-            _tf_internals.set_gradient_override(copy, previous)
+        for op, previous in replaced:
+            _tf_internals.set_gradient_override(op, previous)
 
 
 def _reading_copies(function, copies: dict, running: Collection[tf.Operation]):

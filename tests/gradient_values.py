@@ -49,3 +49,16 @@ def unrolled_lstm_states(x, kernel, recurrent):
         h = tf.sigmoid(o) * tf.tanh(c)
         states.append(h)
     return states
+
+
+@tf.custom_gradient
+def swish_holding_its_insides(x):
+    """A swish whose gradient closure holds its sigmoid and its result, both made inside
+    the function (its result is the next layer's input)."""
+    s = tf.sigmoid(x)
+    y = x * s
+
+    def grad(dy):
+        return dy * (s + y * (1 - s))
+
+    return y, grad

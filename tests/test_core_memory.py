@@ -54,6 +54,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tensorflow as tf
+from gradient_values import swish_holding_its_insides
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import memo
@@ -241,20 +242,8 @@ def _log1pexp(x):
     return tf.math.log(1 + e), grad
 
 
-@tf.custom_gradient
-def _swish(x):
-    """A swish whose closure holds its sigmoid and its result (the next layer's input)."""
-    s = tf.sigmoid(x)
-    y = x * s
-
-    def grad(dy):
-        return dy * (s + y * (1 - s))
-
-    return y, grad
-
-
 @pytest.mark.memory
-@pytest.mark.parametrize("activation", [tf.nn.silu, _log1pexp, _swish],
+@pytest.mark.parametrize("activation", [tf.nn.silu, _log1pexp, swish_holding_its_insides],
                          ids=["silu", "log1pexp", "swish"])
 def test_custom_gradient_activations_are_modelled_as_tensorflow_runs_them(
         graph, measure_peak, activation):

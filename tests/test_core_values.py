@@ -15,6 +15,7 @@ import inspect
 import numpy as np
 import pytest
 import tensorflow as tf
+from gradient_values import swish_holding_its_insides
 
 import memory_saving_gradients as msg
 from memory_saving_gradients import checkpointing
@@ -75,18 +76,6 @@ def test_a_complex_chain(graph, run_both, assert_grads_match, dtype):
     assert scale_conjugates and not any(op.control_inputs for op in scale_conjugates)
 
 
-@tf.custom_gradient
-def _swish_holding_its_insides(x):
-    """A swish whose gradient closure holds its sigmoid and its result (made inside)."""
-    s = tf.sigmoid(x)
-    y = x * s
-
-    def grad(dy):
-        return dy * (s + y * (1 - s))
-
-    return y, grad
-
-
 def test_a_custom_gradient_closure_reads_the_copies_of_what_it_holds(graph, run_both,
                                                                       assert_grads_match):
     """A ``tf.custom_gradient`` closure holds tensors made inside the function: the
@@ -102,7 +91,7 @@ def test_a_custom_gradient_closure_reads_the_copies_of_what_it_holds(graph, run_
     for _ in range(8):
         ws.append(tf.Variable(rng.standard_normal((32, 32)) / 6))
         pre.append(h @ ws[-1])
-        h = _swish_holding_its_insides(pre[-1])
+        h = swish_holding_its_insides(pre[-1])
         inner.append(h.op.inputs[0].op.inputs[1])  # the sigmoid (y = x * s)
     loss = tf.reduce_sum(h * h)
     feed = {x: rng.standard_normal((16, 32))}
