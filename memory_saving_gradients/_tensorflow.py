@@ -23,6 +23,7 @@ calls itself through a patch.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import sys
@@ -385,44 +386,65 @@ def has_gradient_override(op: tf.Operation) -> bool:
 #: the function's results for their structure only, and its arguments.
 _CUSTOM_GRADIENT_FILE = _custom_gradient.__file__
 
-#: How many functions :func:`custom_gradient_closure_tensors` looks into at most.
+#: How many functions :func:`custom_gradient_closure_tensors` looks into at most, and
+#: how deep into containers and objects.
 _CLOSURE_FUNCTIONS = 64
+_CLOSURE_DEPTH = 3
 
 
 def custom_gradient_closure_tensors(op: tf.Operation) -> tuple | None:
     """``(own, wrappers')``: the tensors of ``op``'s graph that the Python gradient
-    function of a ``tf.custom_gradient`` op (found by its ``_gradient_op_type``) holds in
-    its closure, and in the closures of the functions it holds (the docstring's
-    ``log1pexp`` holds ``tf.exp(x)``, made inside the function); those that TensorFlow's
-    own wrappers in ``custom_gradient.py`` hold apart (the function's results, for their
-    structure only; ``tf.recompute_grad``'s arguments, which it reads).  None for an op
-    without an override function."""
+    function of a ``tf.custom_gradient`` op (found by its ``_gradient_op_type``) holds:
+    in its closure, in containers there (lists, tuples, dicts, a few levels deep), in
+    the functions it holds (their closures, a ``functools.partial``'s arguments, a bound
+    method's object's attributes); the docstring's ``log1pexp`` holds ``tf.exp(x)``,
+    made inside the function.  Those that TensorFlow's own wrappers in
+    ``custom_gradient.py`` hold are apart (the function's results, for their structure
+    only; ``tf.recompute_grad``'s arguments, which it reads).  None for an op without
+    an override function."""
     try:
         function = _framework_ops.gradient_registry.lookup(op.get_attr("_gradient_op_type"))
     except (ValueError, LookupError):
         return None
     own: dict = {}
     wrappers: dict = {}
-    stack, seen = [function], set()
-    while stack and len(seen) < _CLOSURE_FUNCTIONS:
-        function = stack.pop()
-        function = getattr(function, "__func__", function)  # a bound method's function
-        if id(function) in seen or not hasattr(function, "__code__"):
+    stack = [(function, own, 0)]  # (value, where its tensors go, container depth)
+    seen: set = set()
+    functions = 0
+    while stack:
+        value, found, depth = stack.pop()
+        if id(value) in seen:
             continue
-        seen.add(id(function))
-        found = wrappers if function.__code__.co_filename == _CUSTOM_GRADIENT_FILE else own
-        for cell in function.__closure__ or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # not yet filled
+        seen.add(id(value))
+        if isinstance(value, tf.Tensor):
+            if getattr(value, "graph", None) is op.graph:
+                found[value.ref()] = value
+        elif isinstance(value, (list, tuple, set, frozenset, dict)):
+            if depth < _CLOSURE_DEPTH:
+                items = value.values() if isinstance(value, dict) else value
+                stack.extend((item, found, depth + 1) for item in items)
+        elif isinstance(value, functools.partial):  # its arguments are its function's
+            code = getattr(getattr(value.func, "__func__", value.func), "__code__", None)
+            found = wrappers if code is not None and code.co_filename == _CUSTOM_GRADIENT_FILE \
+                else own
+            stack.extend((item, found, depth) for item in
+                         [value.func, *value.args, *value.keywords.values()])
+        elif callable(value) and functions < _CLOSURE_FUNCTIONS:
+            owner = getattr(value, "__self__", None)
+            code_holder = getattr(value, "__func__", value)
+            code = getattr(code_holder, "__code__", None)
+            if code is None:
                 continue
-            values = list(value.values()) if isinstance(value, dict) else (
-                list(value) if isinstance(value, (list, tuple)) else [value])
-            for item in values:
-                if callable(item) and hasattr(getattr(item, "__func__", item), "__code__"):
-                    stack.append(item)
-                elif isinstance(item, tf.Tensor) and getattr(item, "graph", None) is op.graph:
-                    found[item.ref()] = item
+            functions += 1
+            found = wrappers if code.co_filename == _CUSTOM_GRADIENT_FILE else own
+            if owner is not None and depth < _CLOSURE_DEPTH:  # a bound method's object
+                stack.extend((item, found, depth + 1)
+                             for item in getattr(owner, "__dict__", {}).values())
+            for cell in code_holder.__closure__ or ():
+                try:
+                    stack.append((cell.cell_contents, found, depth))
+                except ValueError:  # not yet filled
+                    continue
     return list(own.values()), list(wrappers.values())
 
 

@@ -398,7 +398,14 @@ def memory_checkpoints(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region:
     proposals = _Proposals(ys, xs, region, cuts, unknown_dim, fetched, size, drop_cuts)
     if memory_budget is None:
         return _unbudgeted_choice(proposals, trade)
-    return _budgeted_choice(proposals, memory_budget)
+
+    def least_peak_plan() -> list:
+        """The 'memory' plan (made as without a budget), which may simulate lower with
+        the gradients fetched than anything proposed with them."""
+        return _unbudgeted_choice(
+            _Proposals(ys, xs, region, cuts, unknown_dim, False, size, drop_cuts), False)
+
+    return _budgeted_choice(proposals, memory_budget, least_peak_plan)
 
 
 def _unbudgeted_choice(proposals: _Proposals, trade: bool) -> list:
@@ -436,10 +443,15 @@ def _least_work(proposals: list) -> Proposal:
     return min(proposals, key=lambda p: (p.work, p.peak))
 
 
-def _budgeted_choice(proposals: _Proposals, memory_budget) -> list:
+def _budgeted_choice(proposals: _Proposals, memory_budget,
+                     least_peak_plan: Callable[[], list] = list) -> list:
     """With a budget: the least recomputation whose simulated peak fits it.
 
-    Raises ValueError if no proposal fits.
+    Where none of the proposals fits, the 'memory' plan (``least_peak_plan()``) does
+    if its peak does: a budget at 'memory''s predicted peak is met (its drop search,
+    made without the gradients fetched, found a plan below every proposal with them:
+    eight conv-BN-ReLU layers at batch 1, a helper's review).  Raises ValueError if
+    none fits.
     """
     if proposals.baseline_peak() <= memory_budget:
         return []  # plain tf.gradients fits: nothing to recompute
@@ -462,7 +474,11 @@ def _budgeted_choice(proposals: _Proposals, memory_budget) -> list:
     fitting = [p for p in above if p.peak <= memory_budget] + others
     if fitting:
         return _least_work(fitting).tensors
-    least = min((p.peak for p in above), default=float("nan"))
+    least_plan = proposals.of_tensors(least_peak_plan())
+    if least_plan is not None and least_plan.peak <= memory_budget:
+        return least_plan.tensors
+    least = min([p.peak for p in above] + ([least_plan.peak] if least_plan else []),
+                default=float("nan"))
     raise ValueError(
         f"memory_budget={describe_bytes(memory_budget)}{_in_bytes(memory_budget)} cannot be "
         f"met: the smallest peak the memory model finds for this graph is "
