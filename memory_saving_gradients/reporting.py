@@ -214,7 +214,10 @@ def rewrote(plan: Plan, graph: tf.Graph) -> None:
         if id(graph) not in graphs:
             graphs.append(id(graph))
         if len(graphs) > 1:
-            again = f" (traced again by TensorFlow: trace {graphs.index(id(graph)) + 1})"
+            # a graph does not say which Python function it traces: a retrace and
+            # another function of the same name look alike here
+            again = (f" (trace {graphs.index(id(graph)) + 1} under this name: traced again "
+                     "by TensorFlow, or another function of the same name)")
     if count > 1:  # micro-batches' tapes, replicas: one line each
         again += f" (backward pass {count} in this graph)"
     in_step = (f" ({plan.in_step_ratio:.2f}x in a step that applies each gradient as it "
