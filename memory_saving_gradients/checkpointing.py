@@ -556,11 +556,12 @@ def _warn_if_list_raises_the_peak(made_plan) -> None:
     in_step = made_plan.in_step_ratio or made_plan.predicted_ratio
     if made_plan.strategy == "list" and in_step > 1 + strategies.LEAST_PEAK_TOLERANCE:
         logger.warning(
-            "the %d checkpoints given are predicted to raise the "
-            "peak above plain tf.gradients': %.2fx (%.2fx in a step that applies each "
-            "gradient as it is made), as what they hold outweighs what they let go; "
-            "checkpoints='memory' searches for a plan that saves.",
-            len(made_plan.checkpoints), made_plan.predicted_ratio, in_step)
+            "the %d checkpoints given are predicted to raise the peak of a training step "
+            "that applies each gradient as it is made above plain tf.gradients': %.2fx "
+            "(%.2fx with every gradient held to the end, as session.run(grads) holds "
+            "them), as what they hold outweighs what they let go; checkpoints='memory' "
+            "searches for a plan that saves.",
+            len(made_plan.checkpoints), in_step, made_plan.predicted_ratio)
 
 
 def _warn_unmodelled_workspaces(region) -> None:
@@ -1698,6 +1699,11 @@ def _checkpoint_list(checkpoints) -> list:
         if not isinstance(t, tf.Tensor):
             hint = (" A variable is no activation: checkpoint a tensor computed from it "
                     "(e.g. a layer's output)." if _is_resource_variable(t) else "")
+            if isinstance(t, str):
+                hint = (" Pass the tensor, not its name: graph.get_tensor_by_name(name) "
+                        "gives it (a name with ':0' at its end).")
+            elif isinstance(t, tf.Operation):
+                hint = " Pass one of the op's outputs (op.outputs[0]), not the op."
             if "KerasTensor" in type(t).__name__:
                 hint = (" A Keras functional model's symbolic tensor (layer.output, "
                         "model.output) is not a tensor of the step: collect the layers' "

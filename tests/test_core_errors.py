@@ -65,6 +65,16 @@ def test_non_tensor_in_checkpoint_list(model, unchanged, bad):
 
 
 @pytest.mark.unit
+def test_a_name_or_an_op_as_a_checkpoint_says_what_to_pass(model, unchanged):
+    """The original tool's users name tensors: a name or an op is refused with the call
+    that gives the tensor (a helper's trial: the error named the string only)."""
+    call_fails(TypeError, ["get_tensor_by_name"],
+               model.loss, model.inputs, checkpoints=[model.units[1], model.units[2].name])
+    call_fails(TypeError, [r"op\.outputs\[0\]"],
+               model.loss, model.inputs, checkpoints=[model.units[1], model.units[2].op])
+
+
+@pytest.mark.unit
 def test_a_keras_symbolic_tensor_as_a_checkpoint_says_what_to_pass(model, unchanged):
     keras = pytest.importorskip("keras")
     with tf.Graph().as_default():  # the layer's variables stay out of the model's graph
