@@ -424,19 +424,16 @@ def custom_gradient_closure_tensors(op: tf.Operation) -> tuple | None:
                 items = value.values() if isinstance(value, dict) else value
                 stack.extend((item, found, depth + 1) for item in items)
         elif isinstance(value, functools.partial):  # its arguments are its function's
-            code = getattr(getattr(value.func, "__func__", value.func), "__code__", None)
-            found = wrappers if code is not None and code.co_filename == _CUSTOM_GRADIENT_FILE \
-                else own
+            found = wrappers if _is_custom_gradient_wrapper(value.func) else own
             stack.extend((item, found, depth) for item in
                          [value.func, *value.args, *value.keywords.values()])
         elif callable(value) and functions < _CLOSURE_FUNCTIONS:
             owner = getattr(value, "__self__", None)
             code_holder = getattr(value, "__func__", value)
-            code = getattr(code_holder, "__code__", None)
-            if code is None:
+            if getattr(code_holder, "__code__", None) is None:
                 continue
             functions += 1
-            found = wrappers if code.co_filename == _CUSTOM_GRADIENT_FILE else own
+            found = wrappers if _is_custom_gradient_wrapper(value) else own
             if owner is not None and depth < _CLOSURE_DEPTH:  # a bound method's object
                 stack.extend((item, found, depth + 1)
                              for item in getattr(owner, "__dict__", {}).values())
@@ -446,6 +443,12 @@ def custom_gradient_closure_tensors(op: tf.Operation) -> tuple | None:
                 except ValueError:  # not yet filled
                     continue
     return list(own.values()), list(wrappers.values())
+
+
+def _is_custom_gradient_wrapper(function) -> bool:
+    """Whether ``function`` (or a bound method's) is defined in ``custom_gradient.py``."""
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    return code is not None and code.co_filename == _CUSTOM_GRADIENT_FILE
 
 
 def replace_gradient_function_lookup(lookup) -> None:
