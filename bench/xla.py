@@ -16,10 +16,12 @@ without XLA, and, for the library's variants, ``plan()``'s predicted peak.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -68,7 +70,10 @@ class XlaDump:
 
     Adds ``--xla_dump_to`` to ``XLA_FLAGS`` (kept if one is already there):
     XLA reads the flags once, at its first compilation, so create this
-    before anything in the process is compiled with XLA.
+    before anything in the process is compiled with XLA.  A folder it makes
+    itself (neither ``directory`` nor the flag names one) is removed when the
+    process exits: XLA dumps every pass of every computation there, tens of
+    MB per model.
     """
 
     def __init__(self, directory: Optional[str] = None):
@@ -77,7 +82,10 @@ class XlaDump:
         if match:
             self.directory = match.group(1)
         else:
-            self.directory = directory or tempfile.mkdtemp(prefix="msg_xla_dump_")
+            self.directory = directory
+            if directory is None:
+                self.directory = tempfile.mkdtemp(prefix="msg_xla_dump_")
+                atexit.register(shutil.rmtree, self.directory, ignore_errors=True)
             os.environ["XLA_FLAGS"] = f"{flags} --xla_dump_to={self.directory}".strip()
         os.makedirs(self.directory, exist_ok=True)
         self._seen = set(os.listdir(self.directory))

@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -312,6 +313,36 @@ def test_planner_prediction_near_xla_memory(xla_memory, model, mode):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+def test_xla_dump_folder_removed_at_exit(xla_memory):
+    """The folder XlaDump made for XLA's reports (tens of MB per model) is gone once its
+    process has exited; the reports were read from it (the temp bytes of each case)."""
+    result = xla_memory["jit"]
+    assert result["dump_directory"].startswith(tempfile.gettempdir()), result["dump_directory"]
+    assert not os.path.exists(result["dump_directory"])
+    assert result["mlp"]["plain"]["temp"] > 0, result["mlp"]
+
+
+def test_xla_dump_keeps_a_folder_it_was_given(tmp_path, monkeypatch):
+    """A folder named by the caller (or by XLA_FLAGS) is the caller's: not registered
+    for removal."""
+    from bench import xla as bench_xla
+
+    registered = []
+    monkeypatch.setattr(bench_xla.atexit, "register", lambda *a, **k: registered.append(a))
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_dump_to={tmp_path}")
+    assert bench_xla.XlaDump().directory == str(tmp_path)
+    monkeypatch.delenv("XLA_FLAGS")
+    given = tmp_path / "given"
+    assert bench_xla.XlaDump(str(given)).directory == str(given)
+    assert registered == []
+    monkeypatch.delenv("XLA_FLAGS")  # the last XlaDump named its folder there
+    made = bench_xla.XlaDump().directory
+    os.rmdir(made)
+    assert registered == [(bench_xla.shutil.rmtree, made)]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.memory
 def test_v1_xla_compile_is_detected_and_saves(xla_memory):
     result = xla_memory["jit"]["v1_compile"]
@@ -369,7 +400,7 @@ def _child_jit() -> dict:
     from bench import xla as bench_xla
 
     dump = bench_xla.XlaDump()
-    out = {}
+    out = {"dump_directory": dump.directory}
     # The 12-layer tanh MLP of this file: an explicit list and 'memory'.
     x_value, w_values = _weights()
     ws = [tf.Variable(w) for w in w_values]
