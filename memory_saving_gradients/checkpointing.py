@@ -453,7 +453,13 @@ def _memo_key(checkpoints, memory_budget, planning_dim, region, ys, xs):
     the collection, which can change, and empty regions)."""
     if not isinstance(checkpoints, str) or checkpoints == "collection" or not region.ops:
         return None
-    return (checkpoints, memory_budget, planning_dim, memo.fingerprint(region, ys, xs))
+    return (checkpoints, memory_budget, planning_dim, _fingerprint(region, ys, xs))
+
+
+def _fingerprint(region, ys, xs) -> str:
+    """:func:`.memo.fingerprint` with what the memory model makes of the region's
+    inputs from outside it (a plan's sizes depend on them)."""
+    return memo.fingerprint(region, ys, xs, simulate.outside_estimates(region))
 
 
 #: Parameters of :func:`gradients` that are not options of an entry point.
@@ -988,7 +994,7 @@ def budget_batch(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor], region: graph
 
     Raises ValueError when not even a batch of one fits.
     """
-    fingerprint = memo.fingerprint(region, ys, xs)
+    fingerprint = _fingerprint(region, ys, xs)
     any_batch = memo.remembered(
         ("memory", None, None, fingerprint), region,
         lambda: usable_checkpoints(strategies.any_batch_checkpoints(ys, xs, region),

@@ -866,7 +866,7 @@ class ForwardRegion:
         none of them."""
         folded: dict = {}
         found = []
-        for t in _read_from_outside(self):
+        for t in read_from_outside(self):
             buffer = buffer_root(t)
             if (buffer.dtype in (tf.resource, tf.variant)
                     or buffer.op.type in op_types.NOT_ALLOCATED_IN_STEP
@@ -968,7 +968,7 @@ def unknown_size_tensors(region: ForwardRegion) -> list:
     """The region's tensors with an unknown size, as plans count them: the inputs its
     ops read from outside it (a placeholder), then the outputs of its ops."""
     outputs = [t for op in region.order for t in op.outputs]
-    return [t for t in [*_read_from_outside(region), *outputs] if has_unknown_size(t)]
+    return [t for t in [*read_from_outside(region), *outputs] if has_unknown_size(t)]
 
 
 def has_unknown_dims(region: ForwardRegion) -> str:
@@ -981,7 +981,7 @@ def has_unknown_dims(region: ForwardRegion) -> str:
     return f"{count}, e.g. {unknown[0].name} {unknown[0].shape}"
 
 
-def _read_from_outside(region: ForwardRegion) -> list:
+def read_from_outside(region: ForwardRegion) -> list:
     """The tensors the region's ops read from outside it (what is fed: placeholders,
     a dataset's elements, variables), each once."""
     found = {t.ref(): t for op in region.order for t in op.inputs if t.op not in region.ops}
@@ -993,7 +993,7 @@ def fed_tensors(region: ForwardRegion) -> list:
     reads from outside it, the outputs of ops that read no tensor of rank one or more
     (placeholders, a dataset iterator's elements, variables' values, constants)."""
     sources, seen = {}, set()
-    pending = [t.op for t in _read_from_outside(region)]
+    pending = [t.op for t in read_from_outside(region)]
     while pending:
         op = pending.pop()
         if op in seen:

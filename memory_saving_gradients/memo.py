@@ -36,8 +36,12 @@ _plans: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 _figures: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
 
 
-def fingerprint(region: ForwardRegion, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor]) -> str:
-    """A digest of the region's structure, the same for identical retraces."""
+def fingerprint(region: ForwardRegion, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
+                outside: tuple = ()) -> str:
+    """A digest of the region's structure, the same for identical retraces;
+    ``outside``: what the memory model estimates of the tensors the region reads from
+    outside it (:func:`.simulate.outside_estimates`), which the region's ops do not
+    show."""
     position = {op: i for i, op in enumerate(region.order)}
     x_index = {x.ref(): i for i, x in enumerate(xs)}
     digest = hashlib.sha1()
@@ -56,6 +60,7 @@ def fingerprint(region: ForwardRegion, ys: Sequence[tf.Tensor], xs: Sequence[tf.
         digest.update(f"{op.type}({inputs})->{outputs}{_loop_signature(op)};".encode())
     digest.update(("ys:" + ",".join(describe(y) for y in ys)).encode())
     digest.update(("xs:" + ",".join(describe(x) for x in xs)).encode())
+    digest.update(f"outside:{outside!r}".encode())
     return digest.hexdigest()
 
 

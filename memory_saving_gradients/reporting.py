@@ -222,11 +222,13 @@ def rewrote(plan: Plan, graph: tf.Graph) -> None:
         again += f" (backward pass {count} in this graph)"
     in_step = (f" ({plan.in_step_ratio:.2f}x in a step that applies each gradient as it "
                f"is made)" if plan.in_step_differs() else "")
+    # a list reads as a list, not as a strategy named 'list'
+    chosen = "a list" if plan.strategy == "list" else repr(plan.strategy)
     logger.info(
-        "rewrote the gradients of %s%s: checkpoints=%r, %d "
+        "rewrote the gradients of %s%s: checkpoints=%s, %d "
         "checkpoints (%.2f MB), predicted peak %.2f MB vs %.2f MB plain (%.2fx)%s%s, recomputation "
         "%.2f of a forward pass",
-        what, again, plan.strategy, len(plan.checkpoints), plan.checkpoint_bytes / mb,
+        what, again, chosen, len(plan.checkpoints), plan.checkpoint_bytes / mb,
         plan.predicted_peak_bytes / mb, plan.baseline_peak_bytes / mb, plan.predicted_ratio,
         in_step, _at_batch(plan), plan.recompute_cost,
     )

@@ -9,8 +9,8 @@ inference leaves unknown, ``[None, None]``, although each dimension follows from
 the input's shape.  :func:`evaluate` works such a shape tensor out from the
 shapes the memory model estimates for the tensors it reads (``shape_of``): the
 ops that build shapes (``Shape``, ``Const``, ``GatherV2``, ``StridedSlice``,
-``Prod``, ``Pack``, ``ConcatV2``, integer arithmetic, ``Cast``) are evaluated on
-Python integers.  Anything else, or a chain longer than ``limit``, is None.
+``Prod``, ``Pack``, ``ConcatV2``, ``SplitV``, integer arithmetic, ``Cast``) are
+evaluated on Python integers.  Anything else, or a chain longer than ``limit``, is None.
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ def _computed(tensor, shape_of, cache, depth) -> Value | None:
         dims = shape_of(op.inputs[0])
         return None if dims is None or None in dims else _product(dims)
     if op.type in _PASS_THROUGH:
-        return value_of(0)
+        return _as_rank(value_of(0), tensor.shape.rank)
+    if op.type in ("SplitV", "Split"):
+        return _split_part(op, tensor.value_index, value_of)
     if op.type == "GatherV2":
         params, indices, axis = value_of(0), value_of(1), value_of(2)
         if not isinstance(params, list) or axis not in (0, -1):
@@ -106,6 +108,39 @@ def _computed(tensor, shape_of, cache, depth) -> Value | None:
     if op.type in _ARITHMETIC:
         return _elementwise(_ARITHMETIC[op.type], value_of(0), value_of(1))
     return None
+
+
+def _as_rank(value: Value | None, rank: int | None) -> Value | None:
+    """``value`` as a scalar (rank 0) or a vector (rank 1), where a reshape or a
+    squeeze turned one element's vector into a scalar or back."""
+    if rank == 0 and isinstance(value, list):
+        return value[0] if len(value) == 1 else None
+    if rank == 1 and isinstance(value, int):
+        return [value]
+    return value
+
+
+def _split_part(op: tf.Operation, index: int, value_of) -> Value | None:
+    """Part ``index`` of a vector split along its only axis: ``SplitV``'s sizes (one
+    of them -1: what the others leave), or ``Split``'s equal parts.  ``tf.signal.frame``
+    splits a signal's shape into its outer dimensions, its length and the rest."""
+    if op.type == "SplitV":
+        values, sizes, axis = value_of(0), value_of(1), value_of(2)
+    else:
+        axis, values, sizes = value_of(0), value_of(1), None
+    if not isinstance(values, list) or axis not in (0, -1):
+        return None
+    if sizes is None:
+        count = len(op.outputs)
+        if len(values) % count:
+            return None
+        sizes = [len(values) // count] * count
+    if not isinstance(sizes, list) or len(sizes) != len(op.outputs) or sizes.count(-1) > 1:
+        return None
+    if -1 in sizes:
+        sizes[sizes.index(-1)] = len(values) - sum(s for s in sizes if s != -1)
+    start = sum(sizes[:index])
+    return values[start:start + sizes[index]]
 
 
 def _product(values) -> int:

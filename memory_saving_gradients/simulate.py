@@ -143,6 +143,7 @@ class Sizer:
         self._costs: dict = {}
         self._scratch: dict = {}  # (id(op), gradient) -> (op, bytes): kernel workspaces
         self._per_region: dict = {}  # (id(region), key) -> (region, value)
+        self._walked: set = set()  # ops whose outputs' shapes were estimated in order
         self.loops_assumed: set = set()  # loops whose trip count is not static
 
     def __call__(self, tensor: tf.Tensor) -> int:
@@ -185,6 +186,8 @@ class Sizer:
         dims = tensor.shape.as_list()
         used = False
         if None in dims:
+            if depth == 0:
+                self._estimate_ancestors(tensor)
             self._frames.append(False)
             try:
                 dims = self._estimate(tensor, dims, depth)
@@ -193,6 +196,31 @@ class Sizer:
         self._shapes[id(tensor)] = (tensor, dims, used)
         self._used_unknown(used)
         return dims
+
+    def _estimate_ancestors(self, tensor: tf.Tensor) -> None:
+        """Estimates the unknown shapes above ``tensor`` first, producers before
+        consumers, so that its own estimate looks back one op at a time: asked first
+        for a tensor far down a chain of unknown shapes, the look-back stopped at
+        :data:`ESTIMATE_DEPTH` and what it guessed there stayed (a conv net under an
+        STFT front end, asked from its fourth layer: batch 4 in place of the 32 its
+        first layer's estimate gives).  Each op is walked once per Sizer."""
+        found, stack = [], [tensor.op]
+        while stack:
+            op = stack.pop()
+            if op in self._walked:
+                continue
+            self._walked.add(op)
+            found.append(op)
+            stack.extend(t.op for t in op.inputs)
+        frames, self._frames = self._frames, []  # what they count is their own
+        try:
+            for op in sorted(found, key=graph_lib.op_order):
+                for t in op.outputs:
+                    if t is not tensor and t.shape.rank is not None and (
+                            not t.shape.is_fully_defined()):
+                        self.shape(t)
+        finally:
+            self._frames = frames
 
     def _used_unknown(self, used: bool = True) -> None:
         """Notes that the shape being estimated counts ``unknown_dim`` somewhere (itself,
@@ -335,8 +363,8 @@ class Sizer:
         """A gather's dimensions: the params' before and after the gathered axis around
         the indices' (``GatherNd``: the indices' but the last, then the params' it does
         not index; ``ResourceGather``: the indices', then what the op's static shape gives
-        of the variable's). None where an axis or a rank is not known when the graph is
-        built."""
+        of the variable's). None where an axis (static, or worked out from shapes) or a
+        rank is not known when the graph is built."""
         if op.type == "ResourceGather":
             indices = self.shape(op.inputs[1], depth + 1)
             if indices is None or len(indices) > len(dims) or None in dims[len(indices):]:
@@ -351,9 +379,11 @@ class Sizer:
                 return None
             shape = indices[:-1] + params[indexed:]
         else:
-            axis = 0 if op.type == "Gather" else tf.get_static_value(op.inputs[2])
+            # an axis computed from a rank (``tf.signal.frame``'s) is worked out as shapes are
+            axis = 0 if op.type == "Gather" else shape_values.evaluate(
+                op.inputs[2], lambda t: self.shape(t, depth + 1), {}, ESTIMATE_DEPTH - depth)
             batch_dims = op.get_attr("batch_dims") if op.type == "GatherV2" else 0
-            if axis is None or np.ndim(axis) != 0:
+            if not isinstance(axis, int):
                 return None
             axis = int(axis) + (len(params) if int(axis) < 0 else 0)
             shape = params[:axis] + indices[batch_dims:] + params[axis + 1:]
@@ -549,6 +579,37 @@ def _strided_extents(op: tf.Operation, source: list) -> list:
         if length is not None:
             extents[axis] = max(0, min(length, source[axis]))
     return extents
+
+
+#: The unknown size :func:`outside_estimates` sizes with: a prime no real dimension is
+#: likely to equal, so that its estimates tell apart shapes whose unknown parts differ.
+_SIGNATURE_DIM = 7919
+
+
+def outside_estimates(region: graph_lib.ForwardRegion) -> tuple:
+    """What the memory model makes of the tensors the region reads from outside it
+    whose shape or value is not static: each one's estimated dimensions, and the value
+    of an integer scalar or vector (a reshape's target), as worked out from the ops
+    above it.  Two regions alike op for op can differ here (an STFT front end above one
+    of them), and then so do their plans; and which of them the step computes
+    (:attr:`.graph.ForwardRegion.computed_outside`, counted) with their buffers' shapes."""
+    size = Sizer(_SIGNATURE_DIM)
+
+    def frozen(value):
+        return tuple(value) if isinstance(value, list) else value
+
+    found = []
+    for t in graph_lib.read_from_outside(region):
+        if t.dtype in (tf.resource, tf.variant):
+            continue
+        if t.dtype in (tf.int32, tf.int64) and t.shape.rank in (0, 1) and (
+                tf.get_static_value(t) is None):
+            found.append(frozen(shape_values.evaluate(t, size.shape)))
+        elif t.shape.rank is None or not t.shape.is_fully_defined():
+            found.append(frozen(size.shape(t)))
+    computed = tuple((buffer.op.type, frozen(size.shape(buffer)))
+                     for t, buffer in region.computed_outside)
+    return tuple(found), computed
 
 
 def counts_unknown_sizes(region: graph_lib.ForwardRegion) -> bool:
@@ -1048,6 +1109,8 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
         reads_in, reads_out = graph_lib.gradient_reads(op, wanted)
         arguments = graph_lib.custom_gradient_arguments(op)
         differentiated = op.inputs if arguments is None else arguments
+        if graph_lib.blocks_gradients(op):
+            differentiated = ()  # StopGradient, Shape: its inputs get no gradient from it
         found = (
             [t.ref() for t in list(reads_in) + list(reads_out)]
             + ([_loop_key(op), _loop_zeros_key(op)] if op.type in graph_lib.WHILE_OP_TYPES else [])

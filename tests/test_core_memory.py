@@ -370,6 +370,49 @@ def test_masks_the_step_computes_outside_the_region_are_counted(graph, measure_p
 
 
 @pytest.mark.memory
+def test_a_stop_gradient_branch_holds_nothing_for_the_backward_pass(graph, measure_peak):
+    """A loss plus ``tf.stop_gradient`` of the same 8 ReLU layers on a second input (a DQN
+    target through the online net): the ops behind the ``StopGradient`` get no gradient,
+    so none of their tensors is held for the backward pass.  The model gave the
+    ``StopGradient``'s input a gradient and so held the branch (a helper's trial, a conv
+    net: plain planned at 80 MB against 52 without the branch, both measured 40, and a
+    budget 'memory' met raised "cannot be met").  Now plan()'s peaks of plain and of
+    'memory' are those of the graph without the branch and within 10% of the measured
+    ones (to 1 KiB: the branch's scalar result), and a budget at 'memory''s predicted
+    peak is met."""
+    rng = np.random.default_rng(0)
+
+    def build(with_branch):
+        x = tf.compat.v1.placeholder(tf.float32, [512, 512])
+        target_input = tf.compat.v1.placeholder(tf.float32, [512, 512])
+        ws = [tf.Variable(rng.standard_normal((512, 512)).astype(np.float32) / 23)
+              for _ in range(8)]
+
+        def net(h):
+            for w in ws:
+                h = tf.nn.relu(h @ w)
+            return h
+
+        loss = tf.reduce_mean(tf.square(net(x)))
+        if with_branch:
+            loss += tf.stop_gradient(tf.reduce_mean(net(target_input)))
+        feed = {x: rng.standard_normal((512, 512)).astype(np.float32),
+                target_input: rng.standard_normal((512, 512)).astype(np.float32)}
+        return loss, ws, feed
+
+    with tf.Graph().as_default():
+        without = msg.plan(*build(False)[:2], checkpoints="memory")
+    loss, ws, feed = build(True)
+    with_branch = msg.plan(loss, ws, checkpoints="memory")
+    summary = (str(without), str(with_branch))
+    # the branch's scalar result (4 bytes) is all it adds
+    assert abs(with_branch.baseline_peak_bytes - without.baseline_peak_bytes) <= 1024, summary
+    assert abs(with_branch.predicted_peak_bytes - without.predicted_peak_bytes) <= 1024, summary
+    _assert_plan_is_measured(loss, ws, feed, measure_peak, slack=0.1)
+    msg.gradients(loss, ws, checkpoints="memory", memory_budget=with_branch.predicted_peak_bytes)
+
+
+@pytest.mark.memory
 def test_stop_gradients_cut_the_planned_region(graph, measure_peak):
     """``stop_gradients=[h4]`` on a 10-layer tanh MLP, every weight an x: nothing above
     h4 is differentiated, so nothing there is planned or kept. The plan ignored the stop:

@@ -329,6 +329,7 @@ def _assert_reported(handle, lines, where):
     assert len(lines) == len(handle.plans), lines
     plan = handle.plans[0]
     assert isinstance(plan, msg.Plan) and plan.checkpoints and plan.strategy == "memory"
+    assert "checkpoints='memory', " in lines[0], lines[0]
     assert plan.predicted_peak_bytes < plan.baseline_peak_bytes
     assert where in lines[0], lines[0]
     assert f"{len(plan.checkpoints)} checkpoints ({plan.checkpoint_bytes / 2**20:.2f} MB)" \
@@ -387,6 +388,26 @@ def test_patched_tf_keras_fit_logs_one_info_line_and_keeps_the_plan(caplog):
         with msg.patched("memory") as handle:
             _fit(model)
     _assert_reported(handle, _rewrite_lines(caplog), "Keras model 'reported_tf_keras'")
+
+
+def test_the_info_line_of_a_checkpoint_list_says_a_list(caplog):
+    """Checkpoints given as a list read "checkpoints=a list": the line said
+    checkpoints='list', like a strategy of that name (a helper's trial)."""
+    ws = [tf.Variable(tf.random.normal([WIDTH, WIDTH], stddev=0.1)) for _ in range(6)]
+
+    @tf.function
+    def listed(x):
+        h, hs = x, []
+        for w in ws:
+            h = tf.tanh(h @ w)
+            hs.append(h)
+        return msg.gradients(tf.reduce_sum(h * h), ws, checkpoints=hs[1::2][:2])
+
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        listed.get_concrete_function(tf.TensorSpec([BATCH, WIDTH]))
+    (line,) = _rewrite_lines(caplog)
+    assert "checkpoints=a list, 2 checkpoints (" in line, line
+    assert "'list'" not in line, line
 
 
 def test_patched_custom_loop_logs_one_info_line_and_keeps_the_plan(caplog):

@@ -64,6 +64,54 @@ def test_the_sizer_follows_a_reshape_to_a_computed_target(graph):
     assert size.shape(weight_grad) == [8, 3]  # a^T @ g: a's columns, not g's rows
 
 
+def test_split_parts_of_a_shape_are_evaluated(graph):
+    """``SplitV`` (sizes with a -1) and ``Split`` of a shape vector, and a one-element
+    part reshaped to a scalar, as ``tf.signal.frame`` builds its target."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 7, 16000])
+    outer, length, rest = tf.split(tf.shape(x), [-1, 1, 0])
+    halves = tf.split(tf.concat([tf.shape(x), [3]], 0), 2)
+    shape_of = _with_batch(5)
+    assert shape_values.evaluate(outer, shape_of) == [5, 7]
+    assert shape_values.evaluate(length, shape_of) == [16000]
+    assert shape_values.evaluate(rest, shape_of) == []
+    assert shape_values.evaluate(tf.reshape(length, []) // 64, shape_of) == 250
+    assert [shape_values.evaluate(h, shape_of) for h in halves] == [[5, 7], [16000, 3]]
+
+
+def test_the_sizer_follows_an_stft_with_an_unknown_batch(graph):
+    """``tf.signal.stft`` on ``[None, 16000]``: its frames (a reshape to a target split
+    from the signal's shape, a gather on an axis computed from a rank) and everything
+    after keep the batch.  The reshape's target was not worked out, so the frames
+    took the leftover elements as their batch and all after them had batch 4 of 32:
+    plans 10-20x low (a helper's trial, a Conv1D model under an STFT layer)."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 16000])
+    frames = tf.signal.frame(x, 256, 64)
+    spectrum = tf.abs(tf.signal.stft(x, frame_length=256, frame_step=64, fft_length=256))
+    gathered = [op for op in graph.get_operations() if op.type == "GatherV2"][0]
+    assert tf.get_static_value(gathered.inputs[2]) is None  # the axis is computed
+    size = simulate.Sizer(32)
+    assert size.shape(spectrum) == [32, 247, 129]
+    assert size.shape(frames) == [32, 247, 256]
+    assert size.shape(gathered.outputs[0]) == [32, 247, 4, 64]
+
+
+def test_the_sizer_estimates_alike_whichever_tensor_it_is_asked_first(graph):
+    """Asked first for a tensor 40 ops below a reshape to a computed target, the Sizer
+    gives what it gives asked in order: it works down from the producers.  It looked
+    back at most ``ESTIMATE_DEPTH`` ops and kept the guess it made there (batch 4, not
+    32, below an STFT)."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 16000])
+    h = tf.abs(tf.signal.stft(x, frame_length=256, frame_step=64, fft_length=256))
+    chain = [h]
+    for _ in range(simulate.ESTIMATE_DEPTH + 8):
+        chain.append(tf.tanh(chain[-1]))
+    deep_first = simulate.Sizer(32)
+    in_order = simulate.Sizer(32)
+    assert deep_first.shape(chain[-1]) == [32, 247, 129]
+    assert [in_order.shape(t) for t in chain][-1] == [32, 247, 129]
+    assert deep_first(chain[-1]) == in_order(chain[-1]) == 32 * 247 * 129 * 4
+
+
 def test_identity_transposes_share_their_input(graph):
     x = tf.compat.v1.placeholder(tf.float32, [None, 4, 3])
     same = tf.transpose(x, tf.concat([[0, 1], [2]], 0))
