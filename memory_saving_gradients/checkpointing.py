@@ -1449,9 +1449,10 @@ class _BackwardPass:
                 if (index, position) in self._late:
                     late.add(copy)
         made_after = graph_lib.last_op_id(copies[targets[0].ref()].graph)
+        region = self._request.region
         running = graph_lib.copies_that_run(
-            step.segment.ops, graph_lib.needs_gradient_in(self._request.region, self._x_keys),
-            self._schedule.read_kept)
+            step.segment.ops, graph_lib.needs_gradient_in(region, self._x_keys),
+            self._schedule.read_kept, region.receives_gradient)
         try:
             with rewrite.closures_read_copies(copies, running), \
                     self._gates.recording(gated, late):

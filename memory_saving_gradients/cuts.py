@@ -97,8 +97,9 @@ def live_cuts(region: ForwardRegion, size: Callable[[tf.Tensor], int],
     order = region.order
     position = {op: i for i, op in enumerate(order)}
     end_of = _last_reads(order, position, aliases)
-    first_read = _first_reads(order, position, needs_gradient)
-    table = _op_table(order, position, size, cost, aliases, end_of, first_read)
+    first_read = _first_reads(order, position, needs_gradient, region.receives_gradient)
+    table = _op_table(order, position, size, cost, aliases, end_of, first_read,
+                      region.receives_gradient)
     live_sets = _thinned(_live_sets(len(order), table, end_of), max_cuts)
     positions = tuple(c.position for c in live_sets)
     tensors = tuple(tuple(sorted(c.tensors, key=tensor_order)) for c in live_sets)
@@ -127,14 +128,15 @@ def _last_reads(order, position, aliases) -> dict:
     return end_of
 
 
-def _op_table(order, position, size, cost, aliases, end_of, first_read) -> _OpTable:
+def _op_table(order, position, size, cost, aliases, end_of, first_read,
+              receives_gradient=lambda op: True) -> _OpTable:
     """Bytes, work and prefix sums per op; ops whose copy never runs
     (``first_read`` inf) stay out of the prefix sums."""
     table = _OpTable({}, {}, [], [], [], [], [], [], [])
     total_bytes = total_work = total_held = 0
     for i, op in enumerate(order):
         own = held = big = 0
-        read = _outputs_gradients_read(op, position)
+        read = _outputs_gradients_read(op, position, receives_gradient)
         for t in op.outputs:
             nbytes = 0 if aliases(op) else size(t)
             table.own_bytes[t.ref()] = nbytes
@@ -199,26 +201,28 @@ def _thinned(live_sets: list, max_cuts: int) -> list:
     return chosen
 
 
-def _outputs_gradients_read(op, position) -> set:
+def _outputs_gradients_read(op, position, receives_gradient=lambda op: True) -> set:
     """Refs of the outputs of ``op`` that its own gradient or a consumer's reads.
 
     A tensor whose shape is only known at run time is not counted as read for that
     alone: counting it makes every tensor of an unknown-batch graph "held", and its
     plans peak 39% above the known-batch graph's (transformer, batch 64, predicted);
     the simulation, which has the last word, judges each plan either way."""
-    read = {t.ref() for t in gradient_reads(op)[1]}
+    read = {t.ref() for t in gradient_reads(op)[1]} if receives_gradient(op) else set()
     for t in op.outputs:
         if t.ref() in read:
             continue
         if any(
-            c in position and t.ref() in {r.ref() for r in gradient_reads(c)[0]}
+            c in position and receives_gradient(c)
+            and t.ref() in {r.ref() for r in gradient_reads(c)[0]}
             for c in t.consumers()
         ):
             read.add(t.ref())
     return read
 
 
-def _first_reads(order, position, needs_gradient=lambda tensor: True) -> list:
+def _first_reads(order, position, needs_gradient=lambda tensor: True,
+                 receives_gradient=lambda op: True) -> list:
     """Per op: the first position at which a gradient reads it or what it feeds.
 
     A segment ending before that position never runs the op's copy; ``inf``:
@@ -227,13 +231,13 @@ def _first_reads(order, position, needs_gradient=lambda tensor: True) -> list:
     first = [math.inf] * len(order)
     for i in range(len(order) - 1, -1, -1):
         op = order[i]
-        best = i if gradient_reads(op)[1] else math.inf
+        best = i if receives_gradient(op) and gradient_reads(op)[1] else math.inf
         for t in op.outputs:
             for c in t.consumers():
                 j = position.get(c)
                 if j is not None:
-                    best = min(best, j if gradient_reads_output_of(op, c, needs_gradient)
-                                else first[j])
+                    best = min(best, j if receives_gradient(c) and gradient_reads_output_of(
+                        op, c, needs_gradient) else first[j])
         first[i] = best
     return first
 

@@ -556,16 +556,18 @@ def kept_read_by_gradients(region: "ForwardRegion", kept: Mapping, xs: Sequence[
     needs_gradient = needs_gradient_in(region, {x.ref() for x in xs})
     found = set()
     for ref, t in kept.items():
-        if t.op not in region or not gradient_reads(t.op)[1]:
+        if t.op not in region or not region.receives_gradient(t.op) or not gradient_reads(t.op)[1]:
             continue
-        if any(c in region and gradient_reads_output_of(t.op, c, needs_gradient)
+        if any(c in region and region.receives_gradient(c)
+               and gradient_reads_output_of(t.op, c, needs_gradient)
                for c in t.consumers()):
             found.add(ref)
     return frozenset(found)
 
 
 def copies_that_run(ops: Sequence[tf.Operation], needs_gradient: NeedsGradient = lambda tensor: True,
-                    kept: Collection = frozenset()) -> set:
+                    kept: Collection = frozenset(),
+                    receives_gradient: Callable[[tf.Operation], bool] = lambda op: True) -> set:
     """The ops of a recomputed segment whose copies actually run.
 
     A copy runs when a gradient in the segment reads its outputs, or when it
@@ -577,7 +579,9 @@ def copies_that_run(ops: Sequence[tf.Operation], needs_gradient: NeedsGradient =
     producer's gradient reads the kept tensor, not a copy
     (:func:`kept_read_by_gradients`); an op whose own gradient reads only such
     outputs of it (a kept ``Relu`` output feeding a convolution) is not copied for
-    that gradient (:func:`.rewrite.read_kept_outputs`).
+    that gradient (:func:`.rewrite.read_kept_outputs`).  ``receives_gradient(op)``:
+    whether the op's gradient is built at all (:meth:`ForwardRegion.receives_gradient`);
+    one that is not reads nothing.
     """
     inside = set(ops)
     # what a custom gradient's closure reads, made in the segment: its gradient reads
@@ -585,8 +589,9 @@ def copies_that_run(ops: Sequence[tf.Operation], needs_gradient: NeedsGradient =
     running: set = {t.op for op in ops for t in custom_gradient_closure_reads(op)
                     if t.op in inside}
     for op in sorted(ops, key=op_order, reverse=True):
-        if op in running or any(t.ref() not in kept for t in gradient_reads(op)[1]) or any(
-            c in running or gradient_reads_output_of(op, c, needs_gradient)
+        if op in running or (receives_gradient(op) and any(
+                t.ref() not in kept for t in gradient_reads(op)[1])) or any(
+            c in running or (receives_gradient(c) and gradient_reads_output_of(op, c, needs_gradient))
             for t in op.outputs for c in t.consumers() if c in inside
         ):
             running.add(op)
@@ -832,6 +837,16 @@ class ForwardRegion:
 
     ops: frozenset
     order: tuple
+    #: The ops whose gradient ``tf.gradients`` builds: those a gradient reaches from
+    #: ``ys`` (see :func:`forward_region`); None: every op.
+    differentiated: frozenset | None = None
+
+    def receives_gradient(self, op: tf.Operation) -> bool:
+        """Whether a gradient reaches ``op`` from ``ys``, so that its gradient is built and
+        reads what it reads.  Not the ops only behind a ``StopGradient`` or an integer (a
+        ``tf.stop_gradient`` branch, the distances an ``argmin`` picks from), nor those
+        inside a ``tf.custom_gradient`` function."""
+        return self.differentiated is None or op in self.differentiated
 
     def __contains__(self, op: tf.Operation) -> bool:
         return op in self.ops
@@ -911,8 +926,9 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
         for output in op.outputs:
             stack.extend(output.consumers())
     region: set = set()
-    stack = [y.op for y in ys if y.op in reached_from_xs and y.ref() not in stopped
-             and carries_gradient(y)]
+    starts = [y.op for y in ys if y.op in reached_from_xs and y.ref() not in stopped
+              and carries_gradient(y)]
+    stack = list(starts)
     while stack:
         op = stack.pop()
         if op in region:
@@ -920,7 +936,29 @@ def forward_region(ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
         region.add(op)
         stack.extend(t.op for t in op.inputs
                      if t.op in reached_from_xs and t.ref() not in stopped)
-    return ForwardRegion(frozenset(region), tuple(sorted(region, key=op_order)))
+    return ForwardRegion(frozenset(region), tuple(sorted(region, key=op_order)),
+                         _differentiated(starts, region, stopped))
+
+
+def _differentiated(starts: list, region: set, stopped: set) -> frozenset:
+    """The ops of ``region`` a gradient reaches from ``starts`` (the ops of ys) as
+    ``tf.gradients`` passes it: not through an op whose registered gradient is None
+    (:func:`blocks_gradients`), nor along a tensor that carries none (an integer, a
+    ``stop_gradients`` tensor), and through a ``tf.custom_gradient`` op only to its
+    arguments (its gradient function stands for the ops inside)."""
+    reached: set = set()
+    stack = list(starts)
+    while stack:
+        op = stack.pop()
+        if op in reached:
+            continue
+        reached.add(op)
+        if blocks_gradients(op):
+            continue
+        arguments = custom_gradient_arguments(op)
+        stack.extend(t.op for t in (op.inputs if arguments is None else arguments)
+                     if t.op in region and t.ref() not in stopped and carries_gradient(t))
+    return frozenset(reached)
 
 
 def gradient_carriers(region: ForwardRegion, xs: Sequence[tf.Tensor],

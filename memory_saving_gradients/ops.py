@@ -189,6 +189,12 @@ GRADIENT_PASSES_KIND = frozenset({"Identity", "IdentityN", "ReadVariableOp", "Ad
 GRADIENT_WRITES_INTO_INCOMING = frozenset({
     "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus", "Softsign",
 })
+#: Ops whose gradient is the incoming gradient itself, or a reshape of it (a variable
+#: read's, an identity's): the input's gradient is the output's buffer, no new one.
+GRADIENT_IS_INCOMING = frozenset({
+    "Identity", "ReadVariableOp", "Snapshot", "Reshape", "Squeeze", "ExpandDims",
+    "EnsureShape",
+})
 #: Gathers: the gradient of the params is an ``IndexedSlices`` (for ``GatherV2``, on axis 0).
 GATHERS = frozenset({"GatherV2", "ResourceGather", "Gather"})
 

@@ -30,6 +30,7 @@ point the rewrite allows, and allows it only under the peak.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import weakref
@@ -49,6 +50,10 @@ _END = float("inf")
 
 #: :data:`.ops.SAME_ELEMENTS`: outputs that hold exactly their first input's elements.
 _SAME_ELEMENTS_OP_TYPES = op_types.SAME_ELEMENTS
+
+#: Ops whose input's gradient takes the buffer of their output's (written into it, or it).
+_GRADIENT_TAKES_INCOMING_BUFFER = (op_types.GRADIENT_WRITES_INTO_INCOMING
+                                   | op_types.GRADIENT_IS_INCOMING)
 
 #: Ops whose output is a part of their first input, dimension by dimension.
 _SLICES = frozenset({"Slice", "StridedSlice"})
@@ -1015,10 +1020,12 @@ class _Gradients:
         self.timeline = timeline
         self.pending: dict = {}
         self.count = 0
+        self._added: list = []  # (key number, ref) of each add, in order
 
     def add(self, ref, size: int, step: float) -> None:
         """A gradient for the tensor with this ``ref()``."""
         key = ("grad", self.count)
+        self._added.append((self.count, ref))
         self.count += 1
         self.timeline.alloc(key, size, step)
         self.pending.setdefault(ref, []).append(key)
@@ -1056,7 +1063,14 @@ class _Gradients:
         apart, a kept tensor read by three ops of each of eight overlapping steps counted
         24 gradients where the steps held 8."""
         buffers = self.timeline.buffers
-        for ref, keys in self.pending.items():
+        # only the tensors given a gradient since ``first``: every x's gradient waits to
+        # the end, and looking at all of them made each step cost the graph's size
+        since = bisect.bisect_left(self._added, first, key=lambda added: added[0])
+        touched = dict.fromkeys(ref for _, ref in self._added[since:])
+        for ref in touched:
+            keys = self.pending.get(ref)
+            if keys is None:
+                continue
             new = [key for key in keys if key[1] >= first]
             if len(new) < 2:
                 continue
@@ -1135,7 +1149,7 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
         root = timeline.alias.get(rename(op.inputs[0].ref()))
         if root is not None and timeline.buffers[root][1] == step:
             timeline.buffers[root][1] = step - 0.5
-    if (op.type in op_types.GRADIENT_WRITES_INTO_INCOMING and len(outputs) == 1
+    if (op.type in _GRADIENT_TAKES_INCOMING_BUFFER and len(outputs) == 1
             and len(emitted) == 1):
         grads.hand_over(outputs[0], emitted[0][1], step)
     grads.consume(outputs, step)
@@ -1425,7 +1439,8 @@ class _Replay:
     def _running(self, ops) -> set:
         """:func:`graph.copies_that_run` of a recomputed segment."""
         return graph_lib.copies_that_run(
-            ops, graph_lib.needs_gradient_in(self.region, self.xs_refs), self.read_kept)
+            ops, graph_lib.needs_gradient_in(self.region, self.xs_refs), self.read_kept,
+            self.region.receives_gradient)
 
     def _recompute(self, ops, index, rename, running) -> None:
         """The copies of ``ops`` that run (``running``), in order."""

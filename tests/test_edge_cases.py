@@ -299,3 +299,19 @@ def test_a_list_predicted_to_raise_the_peak_is_said_to(g, caplog):
     # ...)" where the fetched ratio was 1.00x: a helper's trial found it contradictory)
     first = float(said[0].split("tf.gradients': ")[1].split("x")[0])
     assert first > 1.05, said
+
+
+@pytest.mark.unit
+def test_why_nothing_helps_names_custom_gradients(graph):
+    """Where no checkpoint lowers the peak in a graph of ``tf.custom_gradient``
+    functions (Keras' quantized layers, silu), the reason names them."""
+    from memory_saving_gradients import checkpointing
+    from memory_saving_gradients import graph as graph_lib
+
+    x = tf.compat.v1.placeholder(tf.float32, [4, 8])
+    w = tf.Variable(tf.ones([8, 8]))
+    h = x
+    for _ in range(3):
+        h = tf.nn.silu(h @ w)
+    region = graph_lib.forward_region([tf.reduce_sum(h)], [w.handle])
+    assert "3 of them are tf.custom_gradient functions" in checkpointing._why_nothing_helps(region)

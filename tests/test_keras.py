@@ -301,31 +301,46 @@ if __name__ == "__main__" and sys.argv[1:] == ["dropout-figures"]:
     print(json.dumps(_dropout_figures()))
 
 
-def test_a_quantized_model_is_told_why_nothing_is_kept():
+@pytest.mark.memory
+def test_a_quantized_model_saves_at_a_large_batch():
     """A Keras int8-quantized MLP (``model.quantize('int8')``: each Dense a
-    ``tf.custom_gradient`` whose closure reads its arguments) keeps nothing; the warning
-    said its activations were small, where the float model of the same layers saves
-    0.53x (a helper's trial, thirty-first session). It names the custom gradients."""
+    ``tf.custom_gradient`` whose closure reads its arguments), trained with ``fit`` on a
+    ``tf.data`` pipeline of batch 4096 (``None`` in the graph): 'memory' keeps
+    checkpoints, the losses are plain's, and the step's allocator peak is below plain's
+    (8.25 MiB against 12.0 on this machine, 0.70x predicted).  It kept nothing before:
+    the model took the ops inside each custom gradient for ops whose gradients read
+    their outputs, so each recomputed segment seemed to hold them all again."""
     import tensorflow as tf
 
     rng = np.random.default_rng(0)
     data = tf.data.Dataset.from_tensor_slices(
-        (rng.normal(size=(128, 64)).astype("float32"), rng.integers(0, 4, size=(128,)))).batch(64)
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((64,))
-    h = inputs
-    for _ in range(8):
-        h = keras.layers.Dense(64, activation="tanh")(h)
-    model = keras.Model(inputs, keras.layers.Dense(4)(h))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Keras' own notes on quantizing
-        model.quantize("int8")
-    model.compile(optimizer=keras.optimizers.SGD(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    with pytest.warns(msg.NothingKeptWarning) as caught, msg.patched("memory"):
-        model.fit(data, verbose=0)
-    said = " ".join(str(w.message) for w in caught if w.category is msg.NothingKeptWarning)
-    assert "8 of them are tf.custom_gradient functions" in said, said
+        (rng.normal(size=(8192, 64)).astype("float32"),
+         rng.integers(0, 4, size=(8192,)))).batch(4096)
+
+    def quantized():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((64,))
+        h = inputs
+        for _ in range(8):
+            h = keras.layers.Dense(64, activation="tanh")(h)
+        model = keras.Model(inputs, keras.layers.Dense(4)(h))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras' own notes on quantizing
+            model.quantize("int8")
+        model.compile(optimizer=keras.optimizers.SGD(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    plain_model, our_model = quantized(), quantized()
+    plain_losses = plain_model.fit(data, epochs=2, verbose=0).history["loss"]
+    with msg.patched("memory") as handle:
+        our_losses = our_model.fit(data, epochs=2, verbose=0).history["loss"]
+    assert handle.plans and handle.plans[0].checkpoints, handle.plans
+    np.testing.assert_allclose(our_losses, plain_losses, rtol=1e-5)
+    plain = min(msg.peak_memory_during(lambda: plain_model.fit(data, verbose=0))
+                for _ in range(2))
+    ours = min(msg.peak_memory_during(lambda: our_model.fit(data, verbose=0)) for _ in range(2))
+    assert ours <= 0.85 * plain, (ours / 2**20, plain / 2**20, str(handle.plans[0]))
 
 
 @pytest.mark.unit

@@ -115,3 +115,37 @@ def test_plans_are_not_shared_by_regions_fed_differently():
     memo.forget()
     assert (fed_second, computed_second) == (fed_first, computed_first)
     assert computed_first[0] > fed_first[0]  # the spectrum, made in the step, counts
+
+
+def test_the_ops_a_gradient_reaches(graph):
+    """``ForwardRegion.receives_gradient``: the ops whose gradient ``tf.gradients``
+    builds.  Not those only behind a ``StopGradient`` (an auxiliary figure added to the
+    loss) or an ``ArgMin`` (the distances a vector quantizer picks from), nor those inside
+    a ``tf.custom_gradient`` function; its arguments' producers are.  The copies of a
+    segment that run leave the others out: no gradient reads them."""
+    from memory_saving_gradients import graph as graph_lib
+
+    x = tf.compat.v1.placeholder(tf.float32, [8, 16])
+    w = tf.Variable(tf.ones([16, 16]))
+    codes = tf.Variable(tf.ones([4, 16]))
+
+    @tf.custom_gradient
+    def scaled(v):
+        inner = tf.tanh(v, name="inner")
+        return inner, lambda dy: dy * (1 - inner * inner)
+
+    h = tf.matmul(x, w, name="h")
+    side = tf.tanh(h @ w, name="side")
+    distances = tf.reduce_sum(tf.square(h[:, None, :] - codes), -1, name="distances")
+    picked = tf.gather(codes, tf.argmin(distances, -1), name="picked")
+    out = scaled(h + picked)
+    loss = tf.reduce_sum(out) + tf.stop_gradient(tf.reduce_mean(side))
+    region = graph_lib.forward_region([loss], [w.handle, codes.handle])
+    gets = {op.name: region.receives_gradient(op) for op in region.order}
+    assert gets["h"] and gets["picked"] and gets["add"], gets
+    assert not gets["side"] and not gets["distances"] and not gets["inner"], gets
+    assert all(op in region for op in (side.op, distances.op))  # still in the region
+    segment = [side.op.inputs[0].op, side.op, distances.op]
+    assert graph_lib.copies_that_run(segment) == {side.op, side.op.inputs[0].op}
+    assert graph_lib.copies_that_run(segment, receives_gradient=region.receives_gradient) \
+        == set()
