@@ -1094,7 +1094,7 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
                  f"that lowers the peak by more than {strategies.LEAST_PEAK_TOLERANCE:.0%} below")
         why = (
             f"the memory model predicts no set of checkpoints {lower} "
-            f"plain tf.gradients' {baseline.peak_bytes / MIB:.2f} MB{at_batch} (in a step "
+            f"plain tf.gradients' {describe_bytes(baseline.peak_bytes)}{at_batch} (in a step "
             "that applies each gradient as it is made) on this graph "
             f"({len(region.ops)} ops between xs and ys; {_why_nothing_helps(region)})"
         )
@@ -1108,10 +1108,18 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
             why += (f"; unknown dimensions ({unknown}) were counted as {unknown_dim}: "
                     "pass batch_size=N if you feed a larger batch")
     notices.warn(
-        f"checkpoints={checkpoints!r} keeps nothing: {why}. Using plain tf.gradients "
-        "(no memory is saved).",
+        f"checkpoints={checkpoints!r} keeps nothing for {_gradient_described(ys, xs)}: "
+        f"{why}. Using plain tf.gradients (no memory is saved).",
         notices.NothingKeptWarning
     )
+
+
+def _gradient_described(ys, xs) -> str:
+    """Which gradient a message is about: ``"the gradient of 'loss:0' with respect to 4
+    tensors in function 'step'"``, so that a step with several can tell them apart."""
+    of = repr(ys[0].name) + (f" and {len(ys) - 1} more" if len(ys) > 1 else "")
+    wrt = repr(xs[0].name) if len(xs) == 1 else f"{len(xs)} tensors"
+    return f"the gradient of {of} with respect to {wrt} in {reporting.where(ys[0].graph)}"
 
 
 #: Strategies that keep tensors by a rule, not by the memory model: they fall back to plain

@@ -189,6 +189,18 @@ GRADIENT_PASSES_KIND = frozenset({"Identity", "IdentityN", "ReadVariableOp", "Ad
 GRADIENT_WRITES_INTO_INCOMING = frozenset({
     "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Tanh", "Sigmoid", "Softplus", "Softsign",
 })
+#: Elementwise kernels that write their output into an input's buffer of the same size
+#: and dtype where nothing else will read that input (``forward_input_or_allocate_output``):
+#: measured in place on CPU (oneDNN on) for each unary kind here and for a product, sum,
+#: difference, quotient, maximum or power with a constant, a bias add and a softmax; a
+#: cast and a select take a new buffer.
+IN_PLACE_ELEMENTWISE = frozenset({
+    "Tanh", "Sigmoid", "Exp", "Log", "Log1p", "Expm1", "Square", "Sqrt", "Rsqrt", "Relu",
+    "Relu6", "Elu", "Selu", "LeakyRelu", "Softplus", "Softsign", "Neg", "Abs", "Erf", "Erfc",
+    "Sin", "Cos", "Reciprocal", "Inv", "Floor", "Ceil", "Round", "Sign", "Mul", "MulNoNan",
+    "AddV2", "Add", "Sub", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Pow",
+    "SquaredDifference", "BiasAdd", "Softmax", "LogSoftmax",
+})
 #: Ops whose gradient is the incoming gradient itself, or a reshape of it (a variable
 #: read's, an identity's): the input's gradient is the output's buffer, no new one.
 GRADIENT_IS_INCOMING = frozenset({

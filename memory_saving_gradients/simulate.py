@@ -891,6 +891,8 @@ class _Timeline:
         self.alias: dict = {}
         self.reads: list = []
         self.executed: dict = {}
+        # step -> the buffers an elementwise kernel there may write into (in_place)
+        self.in_place: dict = {}
 
     def alloc(self, key, size: int, step: float) -> None:
         self.buffers[key] = [step, step, size]
@@ -908,17 +910,43 @@ class _Timeline:
             if self.buffers[root][1] < step:
                 self.buffers[root][1] = step
 
+    def note_in_place(self, step: float, op: tf.Operation, input_keys, nbytes: int) -> None:
+        """``op`` at ``step``, an :data:`.ops.IN_PLACE_ELEMENTWISE` kernel with an output of
+        ``nbytes``, may write into the buffer of one of its inputs (``input_keys``, those of
+        its output's dtype) where this step is that buffer's last read."""
+        roots = [self.alias.get(key) for key in input_keys]
+        found = [root for root in roots if root is not None and self.buffers[root][2] == nbytes
+                 and self.buffers[root][0] < step]
+        if found:
+            self.in_place[step] = found
+
+    def _settle_in_place(self) -> None:
+        """Frees, as its step starts, the first buffer each in-place kernel may write into
+        whose last read it is (TensorFlow forwards it to the output).  Idempotent: a read
+        added later moves the end on again."""
+        buffers = self.buffers
+        for step, roots in self.in_place.items():
+            for root in roots:
+                row = buffers[root]
+                if row[1] == step:
+                    row[1] = step - 0.5
+                    break
+                if row[1] == step - 0.5:
+                    break  # settled before
+
     def copy(self) -> "_Timeline":
         other = _Timeline()
         other.buffers = {key: list(buffer) for key, buffer in self.buffers.items()}
         other.alias = dict(self.alias)
         other.reads = list(self.reads)
         other.executed = dict(self.executed)
+        other.in_place = dict(self.in_place)
         return other
 
     def live(self, end_step: int) -> np.ndarray:
         """Bytes live at each step ``0..end_step`` (a buffer counts from its first step to
         its last use; those kept to the end, to ``end_step``): its max is :meth:`peak`."""
+        self._settle_in_place()
         live = np.zeros(end_step + 2, dtype=np.int64)
         for start, end, size in self.buffers.values():
             if size:
@@ -928,6 +956,7 @@ class _Timeline:
 
     def peak(self, end_step: float) -> int:
         """Most bytes live at once; a buffer ends half a step after its last use."""
+        self._settle_in_place()
         rows = np.array([b for b in self.buffers.values() if b[2]], dtype=float).reshape(-1, 3)
         if not len(rows):
             return 0
@@ -1000,11 +1029,21 @@ def _forward(timeline: _Timeline, region, size) -> int:
                     timeline.alloc(t.ref(), 0, step)
             else:
                 timeline.alloc(t.ref(), size(t), step)
+        _note_in_place(timeline, op, step, size, lambda ref: ref)
         kept = size.kept_for_gradient(op)
         if kept:
             timeline.alloc(_kept_key(op.outputs[0].ref()), kept, step)
         _scratch(timeline, size.scratch(op), step)
     return len(region.order)
+
+
+def _note_in_place(timeline: _Timeline, op: tf.Operation, step: float, size, rename) -> None:
+    """Notes an elementwise kernel that may write into an input's buffer (see
+    :meth:`_Timeline.note_in_place`)."""
+    if op.type in op_types.IN_PLACE_ELEMENTWISE and len(op.outputs) == 1:
+        out = op.outputs[0]
+        timeline.note_in_place(step, op, [rename(t.ref()) for t in op.inputs
+                                          if t.dtype == out.dtype], size(out))
 
 
 def _scratch(timeline: _Timeline, nbytes: int, step: float) -> None:
@@ -1464,6 +1503,7 @@ class _Replay:
                         timeline.alloc(key, 0, self.step)
                 else:
                     timeline.alloc(key, self.size(t), self.step)
+            _note_in_place(timeline, op, self.step, self.size, rename)
             kept = self.size.kept_for_gradient(op)
             if kept:
                 timeline.alloc(_kept_key((index, op.outputs[0].ref())), kept, self.step)

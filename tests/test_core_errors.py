@@ -502,3 +502,23 @@ def test_an_integer_y_is_named_as_the_reason_nothing_is_kept(model, checkpoints)
     said = " ".join(str(w.message) for w in caught)
     assert "no y can carry a gradient (dtype int32" in said, said
     assert "stop_gradients" not in said, said
+
+
+@pytest.mark.unit
+def test_nothing_kept_says_which_gradient_and_where():
+    """A step with two gradients, one too small to save anything (an inner gradient of a
+    Hessian-vector product): the warning names its y, its xs and the function, and gives
+    a tiny peak in bytes, not "0.00 MB" (a helper's trial)."""
+    w = tf.Variable(tf.ones([4]))
+
+    @tf.function
+    def tiny_step(x):
+        loss = tf.reduce_sum(tf.tanh(x * w), name="tiny_loss")
+        return msg.gradients(loss, [w], checkpoints="memory")
+
+    with pytest.warns(msg.NothingKeptWarning) as caught:
+        tiny_step.get_concrete_function(tf.TensorSpec([4]))
+    said = " ".join(str(w.message) for w in caught)
+    assert "keeps nothing for the gradient of 'tiny_loss:0' with respect to " in said, said
+    assert "in function 'tiny_step'" in said, said
+    assert "0.00 MB" not in said and " bytes" in said, said
