@@ -369,17 +369,35 @@ def original_gradient_function(op: tf.Operation):
     return _framework_ops.gradient_registry.lookup(op_type)
 
 
-def has_gradient_override(op: tf.Operation) -> bool:
-    """Whether ``op`` carries a ``_gradient_op_type`` (``gradient_override_map``, as
-    ``tf.custom_gradient`` sets on the op it makes)."""
+def gradient_override_type(op: tf.Operation) -> str | None:
+    """The registry name ``op``'s gradient is looked up by where a
+    ``gradient_override_map`` set one (``_gradient_op_type``), else None."""
     types = getattr(_remembered, "types", None)
     if types is not None and op in types:
-        return types[op] != op.type
+        found = types[op]
+        return None if found == op.type else _as_str(found)
     try:
-        op.get_attr("_gradient_op_type")
+        return _as_str(op.get_attr("_gradient_op_type"))
     except ValueError:
-        return False
-    return True
+        return None
+
+
+def _as_str(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+#: How ``tf.custom_gradient`` names the gradient it registers for the ``IdentityN`` of
+#: each function it wraps (``custom_gradient.generate_name``).
+CUSTOM_GRADIENT_PREFIX = "CustomGradient-"
+
+
+def is_custom_gradient_op(op: tf.Operation) -> bool:
+    """Whether ``op`` is the ``IdentityN`` a ``tf.custom_gradient`` function makes in a
+    graph: its gradient is registered under :data:`CUSTOM_GRADIENT_PREFIX`.  An
+    ``IdentityN`` under a hand-written ``gradient_override_map`` (a straight-through
+    estimator) is not one: its inputs are not results and arguments."""
+    found = gradient_override_type(op)
+    return found is not None and found.startswith(CUSTOM_GRADIENT_PREFIX)
 
 
 #: The source file of ``tf.custom_gradient``'s graph-mode wrappers: their closures hold

@@ -287,7 +287,7 @@ def custom_gradient_arguments(op: tf.Operation) -> tuple | None:
     copy's gradient is made to read their copies where those run
     (:func:`.rewrite.closures_read_copies`).  Its results get None, so the ops that
     computed them are not differentiated.  None for any other op."""
-    if op.type != "IdentityN" or not _tf_internals.has_gradient_override(op):
+    if op.type != "IdentityN" or not _tf_internals.is_custom_gradient_op(op):
         return None
     return tuple(t for t in op.inputs[_custom_gradient_results(op):] if t.dtype != tf.resource)
 
@@ -948,16 +948,17 @@ def _differentiated(starts: list, region: set, stopped: set) -> frozenset:
     arguments (its gradient function stands for the ops inside)."""
     reached: set = set()
     stack = list(starts)
-    while stack:
-        op = stack.pop()
-        if op in reached:
-            continue
-        reached.add(op)
-        if blocks_gradients(op):
-            continue
-        arguments = custom_gradient_arguments(op)
-        stack.extend(t.op for t in (op.inputs if arguments is None else arguments)
-                     if t.op in region and t.ref() not in stopped and carries_gradient(t))
+    with _tf_internals.gradient_types_remembered():  # each op's override read once
+        while stack:
+            op = stack.pop()
+            if op in reached:
+                continue
+            reached.add(op)
+            if blocks_gradients(op):
+                continue
+            arguments = custom_gradient_arguments(op)
+            stack.extend(t.op for t in (op.inputs if arguments is None else arguments)
+                         if t.op in region and t.ref() not in stopped and carries_gradient(t))
     return frozenset(reached)
 
 

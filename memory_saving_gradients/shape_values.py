@@ -9,8 +9,9 @@ inference leaves unknown, ``[None, None]``, although each dimension follows from
 the input's shape.  :func:`evaluate` works such a shape tensor out from the
 shapes the memory model estimates for the tensors it reads (``shape_of``): the
 ops that build shapes (``Shape``, ``Const``, ``GatherV2``, ``StridedSlice``,
-``Prod``, ``Pack``, ``ConcatV2``, ``SplitV``, integer arithmetic, ``Cast``) are
-evaluated on Python integers.  Anything else, or a chain longer than ``limit``, is None.
+``Prod``, ``Pack``, ``ConcatV2``, ``SplitV``, integer arithmetic and negation,
+``Cast``) are evaluated on Python integers, vectors and matrices (a pad's).
+Anything else, or a chain longer than ``limit``, is None.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Callable, Union
 
 from ._tensorflow import tf
 
-#: A shape tensor's value: an int (a scalar) or a list of ints (a vector).
+#: A shape tensor's value: an int (a scalar), a list of ints (a vector), or a list of
+#: such lists (a matrix: a pad's ``[[before, after], ...]``).
 Value = Union[int, list]
 
 #: Integer ops evaluated elementwise (a scalar broadcast against a vector).
@@ -99,15 +101,34 @@ def _computed(tensor, shape_of, cache, depth) -> Value | None:
         return _product(values) if op.type == "Prod" else sum(values)
     if op.type == "Pack":
         parts = [value_of(i) for i in range(len(op.inputs))]
-        return parts if all(isinstance(p, int) for p in parts) else None
+        if op.get_attr("axis") != 0:
+            return None
+        if all(isinstance(p, int) for p in parts):
+            return parts
+        # rows: a pad's [[before, after]] (``tf.signal.frame`` with ``pad_end``)
+        return parts if all(_is_row(p) and len(p) == len(parts[0]) for p in parts) else None
     if op.type == "ConcatV2":
         parts = [value_of(i) for i in range(len(op.inputs) - 1)]
+        axis = value_of(len(op.inputs) - 1)
         if not all(isinstance(p, list) for p in parts):
             return None
+        vectors = all(not p or isinstance(p[0], int) for p in parts)
+        if axis != 0 and not (vectors and axis == -1):
+            return None  # a matrix's columns: not worked out
         return [d for p in parts for d in p]
     if op.type in _ARITHMETIC:
         return _elementwise(_ARITHMETIC[op.type], value_of(0), value_of(1))
+    if op.type == "Neg":  # -(-n // k): a division rounded up (``tf.signal.frame``)
+        value = value_of(0)
+        if isinstance(value, int):
+            return -value
+        return [-v for v in value] if _is_row(value) else None
     return None
+
+
+def _is_row(value) -> bool:
+    """Whether ``value`` is a vector of ints."""
+    return isinstance(value, list) and all(isinstance(v, int) for v in value)
 
 
 def _as_rank(value: Value | None, rank: int | None) -> Value | None:
@@ -137,6 +158,7 @@ def _split_part(op: tf.Operation, index: int, value_of) -> Value | None:
         sizes = [len(values) // count] * count
     if not isinstance(sizes, list) or len(sizes) != len(op.outputs) or sizes.count(-1) > 1:
         return None
+    sizes = list(sizes)  # the cache holds the list: another split may read it
     if -1 in sizes:
         sizes[sizes.index(-1)] = len(values) - sum(s for s in sizes if s != -1)
     start = sum(sizes[:index])

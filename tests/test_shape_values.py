@@ -76,6 +76,11 @@ def test_split_parts_of_a_shape_are_evaluated(graph):
     assert shape_values.evaluate(rest, shape_of) == []
     assert shape_values.evaluate(tf.reshape(length, []) // 64, shape_of) == 250
     assert [shape_values.evaluate(h, shape_of) for h in halves] == [[5, 7], [16000, 3]]
+    # two splits by one sizes tensor, in one evaluation: the -1 is filled in a copy
+    y = tf.compat.v1.placeholder(tf.float32, [None, 4, 6, 7])
+    sizes = tf.constant([-1, 2])
+    both = tf.concat([tf.split(tf.shape(x), sizes)[0], tf.split(tf.shape(y), sizes)[0]], 0)
+    assert shape_values.evaluate(both, shape_of) == [5, 5, 4]
 
 
 def test_the_sizer_follows_an_stft_with_an_unknown_batch(graph):
@@ -93,6 +98,50 @@ def test_the_sizer_follows_an_stft_with_an_unknown_batch(graph):
     assert size.shape(spectrum) == [32, 247, 129]
     assert size.shape(frames) == [32, 247, 256]
     assert size.shape(gathered.outputs[0]) == [32, 247, 4, 64]
+
+
+def test_the_sizer_follows_signal_processing_with_an_unknown_batch(graph):
+    """Every float tensor of unknown shape in an STFT with ``pad_end`` (a pad built from
+    a division rounded up), a mel projection, MFCCs, an inverse STFT and an
+    overlap-add is estimated at its real shape at batch 32 (checked by running it), in
+    either order of asking.  With ``pad_end`` the pad was not worked out and 20 of the
+    44 were wrong (batch 10 of 32, a frame count of 0: a reviewer's check)."""
+    import numpy as np
+
+    x = tf.compat.v1.placeholder(tf.float32, [None, 16000])
+    spectrum = tf.signal.stft(x, frame_length=400, frame_step=160, fft_length=512,
+                              pad_end=True)
+    mel = tf.tensordot(tf.abs(spectrum), tf.ones([257, 40]), 1)
+    tf.signal.mfccs_from_log_mel_spectrograms(tf.math.log(mel + 1e-6))
+    tf.signal.inverse_stft(spectrum, 400, 160, 512)
+    tf.signal.overlap_and_add(tf.signal.frame(x, 100, 50), 50)
+    unknown = [t for op in graph.get_operations() for t in op.outputs
+               if t.dtype.is_floating and t.shape.rank is not None
+               and not t.shape.is_fully_defined()]
+    with tf.compat.v1.Session() as session:
+        real = session.run(unknown, {x: np.zeros((32, 16000), np.float32)})
+    want = {t.name: list(value.shape) for t, value in zip(unknown, real)}
+    for order in (unknown, unknown[::-1]):
+        size = simulate.Sizer(32)
+        got = {t.name: size.shape(t) for t in order}
+        assert got == want, {name: (got[name], want[name]) for name in want
+                             if got[name] != want[name]}
+
+
+def test_the_sizer_looks_back_a_bounded_way(graph):
+    """Below a frozen backbone of 2,000 layers with the batch unknown, estimating the
+    head's shapes walks at most :data:`simulate.ANCESTOR_DEPTH` producers back, not the
+    whole backbone (it did: a plan took 1.8 s against 0.2 before, a reviewer's check),
+    and still gets the batch."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, 64])
+    frozen = tf.constant(0.01, shape=[64, 64])
+    h = x
+    for _ in range(2000):
+        h = tf.nn.relu(h @ frozen + 0.1)
+    head = tf.tanh(h @ tf.Variable(tf.ones([64, 64])))
+    size = simulate.Sizer(32)
+    assert size.shape(head) == [32, 64]
+    assert len(size._walked) < 1000, len(size._walked)  # the backbone: 6,000 ops
 
 
 def test_the_sizer_estimates_alike_whichever_tensor_it_is_asked_first(graph):

@@ -456,6 +456,12 @@ def test_first_trace_internals_of_tf_function():
 # -- devices, patching targets ----------------------------------------------------------------------
 
 
+#: A gradient registered for a hand-written override (an ``IdentityN`` passing its
+#: incoming gradients through, as a straight-through estimator does).
+_STRAIGHT_THROUGH = "MemorySavingGradientsTestStraightThrough"
+tf.RegisterGradient(_STRAIGHT_THROUGH)(lambda op, *grads: list(grads))
+
+
 def test_function_captures_custom_gradients_and_py_function_frames():
     """A tf.function's capture of an eager tensor, tf.custom_gradient's override attribute
     (tf.nn.silu), and the frames of a py_function that a graph runs."""
@@ -469,7 +475,10 @@ def test_function_captures_custom_gradients_and_py_function_frames():
         found["capture"] = shim.captured_placeholder(graph, outside)
         found["unused"] = shim.captured_placeholder(graph, unused)
         silu = tf.nn.silu(y)
-        found["override"] = [shim.has_gradient_override(op) for op in (silu.op, y.op)]
+        with graph.gradient_override_map({"IdentityN": _STRAIGHT_THROUGH}):
+            (ste,) = tf.identity_n([y * 3.0])  # a hand-written straight-through estimator
+        found["override"] = [shim.is_custom_gradient_op(op) for op in (silu.op, y.op, ste.op)]
+        found["type"] = shim.gradient_override_type(ste.op)
         seen = tf.py_function(lambda: shim.running_in_py_function(), [], tf.bool)
         return y, seen
 
@@ -477,7 +486,8 @@ def test_function_captures_custom_gradients_and_py_function_frames():
     # a placeholder; TensorFlow inlines a small constant as a Const
     assert found["capture"] is not None and found["capture"].op.type in ("Placeholder", "Const")
     assert found["unused"] is None
-    assert found["override"] == [True, False]
+    assert found["override"] == [True, False, False]
+    assert found["type"] == _STRAIGHT_THROUGH
     assert bool(seen) and not shim.running_in_py_function()
 
 
