@@ -425,10 +425,7 @@ def test_a_variable_reads_gradient_is_its_products_buffer(graph, measure_peak):
     gradient itself (an identity's, a reshape's likewise); the model gave it a buffer of
     its own beside the product's, one weight gradient high at the end (112 MB predicted
     against 96.5 measured, plain and a list alike).  Now both are within 5%."""
-    rng = np.random.default_rng(0)
-    x = tf.compat.v1.placeholder(tf.float32, [64, 2048])
-    ws = [tf.Variable(rng.standard_normal((2048, 2048)).astype(np.float32) / 45)
-          for _ in range(6)]
+    x, ws = _wide_layers(6)
     h, hs = x, []
     for w in ws:
         h = tf.tanh(h @ w)
@@ -445,10 +442,7 @@ def test_gradient_contributions_are_summed_into_the_first(graph, measure_peak):
     into the first one's buffer, which the read's gradient then is.  The model held
     both and a sum beside them: one weight gradient high (80 MB predicted, 64.5
     measured, a reviewer's check).  Now plain's and a list's are within 5%."""
-    rng = np.random.default_rng(0)
-    x = tf.compat.v1.placeholder(tf.float32, [64, 2048])
-    ws = [tf.Variable(rng.standard_normal((2048, 2048)).astype(np.float32) / 45)
-          for _ in range(3)]
+    x, ws = _wide_layers(3)
     h, hs = x, []
     for w in ws:
         read = w.value()
@@ -457,6 +451,14 @@ def test_gradient_contributions_are_summed_into_the_first(graph, measure_peak):
             hs.append(h)
     loss = tf.reduce_sum(h * h)
     _assert_plain_and_list_are_measured(loss, ws, [hs[1], hs[3]], x, measure_peak)
+
+
+def _wide_layers(count: int) -> tuple:
+    """A [64, 2048] input placeholder and ``count`` [2048, 2048] weights."""
+    rng = np.random.default_rng(0)
+    x = tf.compat.v1.placeholder(tf.float32, [64, 2048])
+    return x, [tf.Variable(rng.standard_normal((2048, 2048)).astype(np.float32) / 45)
+               for _ in range(count)]
 
 
 def _assert_plain_and_list_are_measured(loss, ws, checkpoints, x, measure_peak) -> None:
