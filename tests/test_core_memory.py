@@ -279,6 +279,9 @@ def test_custom_gradient_activations_are_modelled_as_tensorflow_runs_them(
 
 
 @pytest.mark.memory
+@pytest.mark.subprocess
+@pytest.mark.own_process
+@pytest.mark.slow
 def test_recompute_grad_blocks_are_checkpointed_across():
     """Six ``tf.recompute_grad`` blocks of two tanh(matmul) layers ([4096, 256]) in a
     ``tf.function``: each block's gradient closure reads its arguments, and a recomputed

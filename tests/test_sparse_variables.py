@@ -87,6 +87,9 @@ def test_a_table_read_only_by_lookups_is_read_as_a_copy(tied):
 
 
 @pytest.mark.memory
+@pytest.mark.subprocess
+@pytest.mark.own_process
+@pytest.mark.slow
 def test_a_sparsely_updated_tables_read_and_a_broadcast_products_gradient_are_counted(ids):
     step = _step(_variables(0))
     with msg.patched("memory") as handle:
@@ -109,7 +112,8 @@ def test_a_sparsely_updated_tables_read_and_a_broadcast_products_gradient_are_co
     step(ids)  # the table is copy-on-read from here on
     measured = min(msg.peak_memory_during(lambda: step(ids)) for _ in range(3))
     predicted = plan.in_step_peak_bytes
-    # measured 41.5-45 MB against 38.25 predicted (the executor overlaps two of the
-    # 16 MB weight-gradient products at times); before: 75.5 against 25
+    # measured 40-46.5 MB against 38.25 predicted (the executor overlaps two of the
+    # 16 MB weight-gradient products at times), 57 once in a whole CI run (hence its
+    # own process: tests/conftest.py); before: 75.5 against 25
     assert measured <= 1.25 * predicted, (measured / MB, predicted / MB)
     assert predicted <= 1.05 * measured, (measured / MB, predicted / MB)
