@@ -51,6 +51,11 @@ _END = float("inf")
 #: :data:`.ops.SAME_ELEMENTS`: outputs that hold exactly their first input's elements.
 _SAME_ELEMENTS_OP_TYPES = op_types.SAME_ELEMENTS
 
+#: Ops whose input's gradient is their output's, of the same kind: an ``IndexedSlices``
+#: (a gathered table's rows) passes through a variable read or an identity as it is
+#: (a reshape, a squeeze, an expand makes it dense).
+_GRADIENT_PASSED_ON = frozenset({"Identity", "ReadVariableOp", "EnsureShape", "Snapshot"})
+
 #: Ops whose input's gradient takes the buffer of their output's (written into it, or it).
 _GRADIENT_TAKES_INCOMING_BUFFER = (op_types.GRADIENT_WRITES_INTO_INCOMING
                                    | op_types.GRADIENT_IS_INCOMING)
@@ -1097,6 +1102,10 @@ class _Gradients:
     def has(self, tensor: tf.Tensor) -> bool:
         return tensor.ref() in self.pending
 
+    def pending_bytes(self, ref) -> int:
+        """The bytes of the gradients waiting for the tensor with this ``ref()``."""
+        return sum(self.timeline.buffers[key][2] for key in self.pending.get(ref, ()))
+
     def has_any(self, refs) -> bool:
         """Whether a gradient waits for any of the tensors with these ``ref()`` s."""
         return any(ref in self.pending for ref in refs)
@@ -1222,6 +1231,10 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
     reads, outputs, emitted = found
     if not grads.has_any(outputs):
         return False  # no gradient reaches it (a custom gradient's inner ops): not differentiated
+    if op.type in _GRADIENT_PASSED_ON and len(outputs) == 1 and len(emitted) == 1:
+        # the incoming gradient itself: an IndexedSlices (a gathered table's) stays one
+        incoming = grads.pending_bytes(outputs[0])
+        emitted = [(emitted[0][0], min(emitted[0][1], incoming))]
     unpaired = _kept_unpaired(op, rename, size)
     for ref in reads:
         if unpaired and ref.__class__ is tuple and ref[0] == "kept":
