@@ -462,7 +462,8 @@ def test_a_gathered_tables_gradient_stays_slices_through_an_identity(graph, meas
     its gradient is an ``IndexedSlices`` of the rows, passed on as it is by the identity
     and the variable read.  The model gave the identity's input a dense gradient (36.5
     MB predicted against 5.5 measured, a reviewer's check); now plain's and a list's
-    are within 10%."""
+    are within 1 MiB, two of the [256, 512] activations: the executor's order moves the
+    measured peaks by one (plain 5.5-6.0 MiB, the list 5.0-5.5, both predicted 5.5)."""
     rng = np.random.default_rng(0)
     ids = tf.compat.v1.placeholder(tf.int32, [256])
     table = tf.Variable(rng.standard_normal((16384, 512)).astype(np.float32) / 20)
@@ -476,12 +477,12 @@ def test_a_gathered_tables_gradient_stays_slices_through_an_identity(graph, meas
     xs, checkpoints = [table] + ws, hs[1:3]
     the_plan = msg.plan(loss, xs, checkpoints=checkpoints)
     feed = {ids: rng.integers(0, 16384, 256).astype(np.int32)}
-    plain = min(measure_peak(tf.compat.v1.gradients(loss, xs), feed)[0] for _ in range(2))
+    plain = min(measure_peak(tf.compat.v1.gradients(loss, xs), feed)[0] for _ in range(3))
     ours = min(measure_peak(msg.gradients(loss, xs, checkpoints=checkpoints), feed)[0]
-               for _ in range(2))
+               for _ in range(3))
     summary = (str(the_plan), plain / MIB, ours / MIB)
-    assert abs(the_plan.baseline_peak_bytes / plain - 1) <= 0.1, summary
-    assert abs(the_plan.predicted_peak_bytes / ours - 1) <= 0.1, summary
+    assert abs(the_plan.baseline_peak_bytes - plain) <= MIB, summary
+    assert abs(the_plan.predicted_peak_bytes - ours) <= MIB, summary
 
 
 def _wide_layers(count: int) -> tuple:
