@@ -739,6 +739,70 @@ def other_backward_note(region: graph_lib.ForwardRegion,
             "(docs/usage.md)",)
 
 
+def concurrent_backward_note(region: graph_lib.ForwardRegion,
+                             counts: Callable[[tf.Operation], bool] = lambda op: True) -> tuple:
+    """A note where the graph already holds another gradient computation over another
+    forward pass (micro-batches' tapes unrolled in a Python loop) on this region's
+    devices, and nothing makes this region wait for any of it: the executor may run
+    both at once, and the peaks count only this one.
+
+    Ops of gradient computations built inside the region (a gradient penalty's), ops
+    for which ``counts`` is false (this computation's own backward pass) and ops on
+    other devices (replicas on their own GPUs) are left out; a computation that reads
+    this region's tensors is :func:`other_backward_note`'s.  Linear in the graph.
+    """
+    if not region.order:
+        return ()
+    inside = {scope for scope in map(_gradient_scope, region.order) if scope}
+    devices = {op.device for op in region.order}
+    others = [op for op in region.order[0].graph.get_operations()
+              if op not in region and op.device in devices and counts(op)
+              and _gradient_scope(op) not in inside | {None}]
+    if not others:
+        return ()
+    if _waits_for_any(region, others):
+        return ()
+    example = min(others, key=graph_lib.op_order).name
+    return (f"the graph already holds another gradient computation over another forward "
+            f"pass ({len(others)} op(s), e.g. {example}: micro-batches' tapes unrolled in "
+            "a Python loop) that nothing makes this one wait for: the executor may run "
+            "them side by side, and both peaks count only this gradient computation "
+            "(docs/usage.md)",)
+
+
+def _waits_for_any(region: graph_lib.ForwardRegion, others: Sequence[tf.Operation]) -> bool:
+    """Whether the region's ops wait for one of ``others``: one is their ancestor, or
+    something built on one writes a resource the region reads (in a ``tf.function``,
+    TensorFlow then makes the read wait for the write once the function is traced: a
+    micro-batch's update before the next one's forward pass)."""
+    others = set(others)
+    waited_for: set = set()  # the region's ancestors
+    stack = [t.op for op in region.order for t in op.inputs]
+    stack += [c for op in region.order for c in op.control_inputs]
+    while stack:
+        op = stack.pop()
+        if op in waited_for:
+            continue
+        if op in others:
+            return True
+        waited_for.add(op)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    read = {t.ref() for op in region.order for t in op.inputs if t.dtype == tf.resource}
+    built_on: set = set()
+    stack = list(others)
+    while stack:
+        op = stack.pop()
+        if op in built_on:
+            continue
+        built_on.add(op)
+        if (op.type != "ReadVariableOp" and op.op_def is not None and op.op_def.is_stateful
+                and any(t.ref() in read for t in op.inputs if t.dtype == tf.resource)):
+            return True
+        stack.extend(c for t in op.outputs for c in t.consumers())
+    return False
+
+
 def workspace_note(region: graph_lib.ForwardRegion, onednn: bool, gpu: bool) -> tuple:
     """What the model leaves out on this machine, as a line for ``Plan.assumptions``.
 

@@ -331,6 +331,46 @@ def test_a_gradient_penalty_is_part_of_its_own_forward_pass(graph):
     assert not _says_other_backward(msg.plan(loss, weights))
 
 
+@pytest.mark.parametrize("ordered", [False, True], ids=["accumulated", "applied"])
+def test_micro_batches_tapes_side_by_side_are_an_assumption(ordered, caplog):
+    """Three micro-batches' tapes unrolled in a ``tf.function``: where their gradients are
+    only accumulated, nothing makes one micro-batch wait for the one before, so the
+    second and third plans say that their peaks count only their own pass (a helper's
+    trial: four such tapes of a conv net measured 28 MiB against 16.2 planned for each),
+    and the log says it once; where each micro-batch's update writes the weights the
+    next one reads, TensorFlow orders them and no plan says so."""
+    rng = np.random.default_rng(0)
+    weights = [tf.Variable(rng.standard_normal((64, 64)).astype("float32") / 8)
+               for _ in range(6)]
+    sums = [tf.Variable(tf.zeros_like(w)) for w in weights]
+    x = tf.constant(rng.standard_normal((3, 256, 64)).astype("float32"))
+
+    @tf.function
+    def step(x):
+        for i in range(3):
+            with tf.GradientTape() as tape:
+                h = x[i]
+                for w in weights:
+                    h = tf.tanh(h @ w)
+                loss = tf.reduce_sum(h * h)
+            for total, w, g in zip(sums, weights, tape.gradient(loss, weights)):
+                if ordered:
+                    w.assign_sub(0.01 * g)
+                else:
+                    total.assign_add(g)
+        return loss
+
+    with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
+        with msg.patched("memory") as handle:
+            step.get_concrete_function(x)
+    side_by_side = [any("another gradient computation over another forward pass" in a
+                        for a in p.assumptions) for p in handle.plans]
+    assert side_by_side == [False, not ordered, not ordered], [p.assumptions for p in handle.plans]
+    said = [r for r in caplog.records if "another forward pass" in r.getMessage()]
+    assert len(said) == (0 if ordered else 1), [r.getMessage() for r in caplog.records]
+    assert not any(_says_other_backward(p) for p in handle.plans)
+
+
 @pytest.mark.parametrize("bad, error", [(0, ValueError), (-5, ValueError),
                                         (float("nan"), ValueError), (float("inf"), ValueError),
                                         ("10MB", TypeError), (True, TypeError)])
