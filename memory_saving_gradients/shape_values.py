@@ -37,7 +37,7 @@ _ARITHMETIC = {
 }
 
 #: The ops that pass their input's value through.
-_PASS_THROUGH = frozenset({"Identity", "Cast", "Squeeze", "Reshape"})
+_PASS_THROUGH = frozenset({"Identity", "Cast", "Squeeze", "Reshape", "PlaceholderWithDefault"})
 
 
 def evaluate(tensor: tf.Tensor, shape_of: Callable[[tf.Tensor], list | None],

@@ -168,6 +168,7 @@ class Sizer:
         self._per_region: dict = {}  # (id(region), key) -> (region, value)
         self._walked: set = set()  # ops whose outputs' shapes were estimated in order
         self.loops_assumed: set = set()  # loops whose trip count is not static
+        self.sparse_assumed: set = set()  # of assumed: a sparse tensor's indices or values
 
     def __call__(self, tensor: tf.Tensor) -> int:
         # keyed by identity (a graph op keeps its output tensors), tensor kept alive
@@ -179,6 +180,8 @@ class Sizer:
                 if graph_lib.has_unknown_size(tensor):
                     if dims is None or self._shapes[id(tensor)][2]:
                         self.assumed.add(tensor.name)
+                        if _is_sparse_part(tensor):
+                            self.sparse_assumed.add(tensor.name)
                     else:
                         self.bounded[tensor.name] = (shape, dims)
                 size = graph_lib.tensor_bytes(tensor, dims=dims)
@@ -278,6 +281,10 @@ class Sizer:
                 return rearranged
         if op.type in _PRODUCTS and len(inputs) == 2 and not deep:
             product = self._product_shape(op, inputs, dims, depth)
+            if product is not None:
+                return product
+        if op.type == "SparseTensorDenseMatMul" and not deep:
+            product = self._sparse_product_shape(op, dims, depth)
             if product is not None:
                 return product
         if op.type in _SLICES and inputs and not deep:
@@ -444,6 +451,22 @@ class Sizer:
         estimated[-1] = dims[-1] if dims[-1] is not None else cols
         return estimated
 
+    def _sparse_product_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
+        """A sparse-dense product's dimensions: the sparse operand's rows (from its dense
+        shape's value: ``tf.compat.v1.sparse_placeholder(shape=...)`` feeds a default)
+        and the dense operand's columns, each transposed where the op says."""
+        dense_shape = shape_values.evaluate(
+            op.inputs[2], lambda t: self.shape(t, depth + 1), {}, ESTIMATE_DEPTH - depth)
+        b = self.shape(op.inputs[3], depth + 1)
+        if (not isinstance(dense_shape, list) or len(dense_shape) != 2 or b is None
+                or len(b) != 2 or len(dims) != 2):
+            return None
+        rows = dense_shape[1] if op.get_attr("adjoint_a") else dense_shape[0]
+        cols = b[0] if op.get_attr("adjoint_b") else b[1]
+        estimated = [dims[0] if dims[0] is not None else int(rows),
+                     dims[1] if dims[1] is not None else int(cols)]
+        return estimated if min(estimated) >= 0 else None
+
     def _space_batch_shape(self, op: tf.Operation, dims: list, depth: int) -> list | None:
         """The dimensions of an op that moves spatial blocks into the batch or back (a
         dilated convolution's ``SpaceToBatchND`` / ``BatchToSpaceND``): its batch is its
@@ -574,13 +597,19 @@ class Sizer:
                       f"dimensions bounded by known ones and counted at that bound (e.g. "
                       f"{name} {shape} as {tuple(dims)}: a slice is planned at the extent its "
                       "bounds give, or at its input's whole size where they do not, a boolean "
-                      "mask's rows at all rows)",)
+                      "mask's rows at all rows, a sparse product's rows at its sparse "
+                      "operand's dense shape)",)
         if not self.assumed:
             return notes
         names = sorted(self.assumed)
         counted = (f"{self.unknown_dim}, the batch_size= passed" if self.stated
                    else str(self.unknown_dim))
         advice = "" if self.stated else "; pass batch_size= to state the size you feed"
+        if self.sparse_assumed:
+            sparse = sorted(self.sparse_assumed)
+            advice += (f"; {', '.join(sparse[:2])} {'is' if len(sparse) == 1 else 'are'} a "
+                       "sparse tensor's indices or values, whose unknown count of values is "
+                       "counted so too (batch_size= sets both)")
         return (
             f"{len(names)} {'tensor has' if len(names) == 1 else 'tensors have'} unknown "
             f"dimensions, counted as {counted} (e.g. {', '.join(names[:3])}){advice}",
@@ -589,6 +618,14 @@ class Sizer:
 
 #: :data:`.ops.CONVOLUTIONS`.
 CONVOLUTION_OP_TYPES = op_types.CONVOLUTIONS
+
+
+def _is_sparse_part(tensor: tf.Tensor) -> bool:
+    """Whether ``tensor`` is a sparse tensor's indices or values: the first two inputs of
+    a sparse op (``SparseTensorDenseMatMul``, ``SparseReshape``, ...)."""
+    return any(consumer.type.startswith("Sparse")
+               and any(t is tensor for t in consumer.inputs[:2])
+               for consumer in tensor.consumers())
 
 
 def _strided_extents(op: tf.Operation, source: list) -> list:
