@@ -767,15 +767,17 @@ def _say_outer_differentiator(problem, outer: str) -> None:
 
 
 _warned_other_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
+_warned_concurrent_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 
 
 def _warn_other_backward(graph: tf.Graph, note: tuple) -> None:
     """Once per graph, the ``note`` of :func:`_other_backward_note`: a rewrite whose forward
     pass another backward pass also reads (a GAN's two tapes) is planned without it, and
     was measured to save nothing there; one beside another micro-batch's is planned alone."""
-    if note and graph not in _warned_other_backward:
-        _warned_other_backward.add(graph)
-        same_forward = "over this forward pass" in note[0]
+    same_forward = bool(note) and "over this forward pass" in note[0]
+    warned = _warned_other_backward if same_forward else _warned_concurrent_backward
+    if note and graph not in warned:
+        warned.add(graph)
         logger.warning("%s. %s: measure the step (peak_memory_during).", note[0],
                        "On a small GAN, checkpointing either tape or both measured within "
                        "the step's run-to-run spread of plain" if same_forward else

@@ -33,6 +33,7 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import re
 import weakref
 from typing import Callable, Hashable, Sequence, TypeVar
 
@@ -731,14 +732,17 @@ def loop_note(region: graph_lib.ForwardRegion) -> tuple:
 #: rewrite) ``gradients``, ``gradients_1``, ...; a ``tf.GradientTape`` in a graph
 #: ``gradient_tape``.
 _GRADIENT_SCOPES = ("gradients", "gradient_tape")
+#: A name scope ``tf.gradients`` or a tape opens: ``gradients``, ``gradient_tape_2``, ...
+_GRADIENT_SCOPE_NAME = re.compile("(?:%s)(?:_[0-9]+)?" % "|".join(_GRADIENT_SCOPES))
 
 
 def _gradient_scope(op: tf.Operation) -> str | None:
     """The name scope of the gradient computation that built ``op`` (``'gradients_1'``,
-    ``'model/gradient_tape'``), or None for an op built outside one."""
+    ``'model/gradient_tape'``), or None for an op built outside one (a scope named
+    ``'gradients_summary'`` is none)."""
     parts = op.name.split("/")[:-1]
     for i, part in enumerate(parts):
-        if part.startswith(_GRADIENT_SCOPES):
+        if _GRADIENT_SCOPE_NAME.fullmatch(part):
             return "/".join(parts[:i + 1])
     return None
 
@@ -784,20 +788,24 @@ def concurrent_backward_note(region: graph_lib.ForwardRegion,
     both at once, and the peaks count only this one.
 
     Ops of gradient computations built inside the region (a gradient penalty's), ops
-    for which ``counts`` is false (this computation's own backward pass) and ops on
-    other devices (replicas on their own GPUs) are left out; a computation that reads
-    this region's tensors is :func:`other_backward_note`'s.  Linear in the graph.
+    for which ``counts`` is false (this computation's own backward pass) and
+    computations placed on other devices only (replicas on their own devices) are left
+    out; a computation that reads this region's tensors is :func:`other_backward_note`'s.
+    Linear in the graph.
     """
     if not region.order:
         return ()
     inside = {scope for scope in map(_gradient_scope, region.order) if scope}
-    devices = {op.device for op in region.order}
-    others = [op for op in region.order[0].graph.get_operations()
-              if op not in region and op.device in devices and counts(op)
-              and _gradient_scope(op) not in inside | {None}]
-    if not others:
-        return ()
-    if _waits_for_any(region, others):
+    by_scope: dict = collections.defaultdict(list)
+    for op in region.order[0].graph.get_operations():
+        scope = _gradient_scope(op)
+        if scope is not None and scope not in inside and op not in region and counts(op):
+            by_scope[scope].append(op)
+    devices = _placed_devices(region.order)
+    others = [op for ops in by_scope.values()
+              if not devices or not _placed_devices(ops) or _placed_devices(ops) & devices
+              for op in ops]
+    if not others or _waits_for_any(region, others):
         return ()
     example = min(others, key=graph_lib.op_order).name
     return (f"the graph already holds another gradient computation over another forward "
@@ -807,11 +815,24 @@ def concurrent_backward_note(region: graph_lib.ForwardRegion,
             "(docs/usage.md)",)
 
 
+def _placed_devices(ops: Sequence[tf.Operation]) -> set:
+    """The (device type, index) pairs ``ops`` are placed on; unplaced ops add none."""
+    placed = set()
+    for device in {op.device for op in ops}:
+        if device:
+            spec = tf.DeviceSpec.from_string(device)
+            placed.add((spec.device_type, spec.device_index))
+    return placed
+
+
 def _waits_for_any(region: graph_lib.ForwardRegion, others: Sequence[tf.Operation]) -> bool:
     """Whether the region's ops wait for one of ``others``: one is their ancestor, or
-    something built on one writes a resource the region reads (in a ``tf.function``,
-    TensorFlow then makes the read wait for the write once the function is traced: a
-    micro-batch's update before the next one's forward pass)."""
+    what is built on one writes a resource the region reads before the region reads it
+    (in a ``tf.function``, TensorFlow makes a read wait for the writes made before it
+    once the function is traced: a micro-batch's update before the next one's forward
+    pass).  What is built on an op goes on through the resources it writes to their
+    later reads (an optimizer's slot: the gradient into a moment, the moment into the
+    weight)."""
     others = set(others)
     waited_for: set = set()  # the region's ancestors
     stack = [t.op for op in region.order for t in op.inputs]
@@ -825,7 +846,17 @@ def _waits_for_any(region: graph_lib.ForwardRegion, others: Sequence[tf.Operatio
         waited_for.add(op)
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
-    read = {t.ref() for op in region.order for t in op.inputs if t.dtype == tf.resource}
+    first_read: dict = {}  # resource read in the region -> its first reader's order
+    for op in region.order:
+        for t in op.inputs:
+            if t.dtype == tf.resource:
+                order = graph_lib.op_order(op)
+                first_read[t.ref()] = min(first_read.get(t.ref(), order), order)
+    readers: dict = collections.defaultdict(list)  # resource -> ops reading it
+    for op in region.order[0].graph.get_operations():
+        for t in op.inputs:
+            if t.dtype == tf.resource:
+                readers[t.ref()].append(op)
     built_on: set = set()
     stack = list(others)
     while stack:
@@ -833,10 +864,16 @@ def _waits_for_any(region: graph_lib.ForwardRegion, others: Sequence[tf.Operatio
         if op in built_on:
             continue
         built_on.add(op)
-        if (op.type != "ReadVariableOp" and op.op_def is not None and op.op_def.is_stateful
-                and any(t.ref() in read for t in op.inputs if t.dtype == tf.resource)):
-            return True
         stack.extend(c for t in op.outputs for c in t.consumers())
+        if op.type == "ReadVariableOp" or op.op_def is None or not op.op_def.is_stateful:
+            continue
+        order = graph_lib.op_order(op)
+        for t in op.inputs:
+            if t.dtype != tf.resource:
+                continue
+            if order < first_read.get(t.ref(), -1):
+                return True
+            stack.extend(r for r in readers[t.ref()] if graph_lib.op_order(r) > order)
     return False
 
 
