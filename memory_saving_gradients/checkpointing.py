@@ -774,7 +774,7 @@ def _warn_other_backward(graph: tf.Graph, note: tuple) -> None:
     """Once per graph, the ``note`` of :func:`_other_backward_note`: a rewrite whose forward
     pass another backward pass also reads (a GAN's two tapes) is planned without it, and
     was measured to save nothing there; one beside another micro-batch's is planned alone."""
-    same_forward = bool(note) and "over this forward pass" in note[0]
+    same_forward = bool(note) and note[0].startswith(simulate.SAME_FORWARD_NOTE)
     warned = _warned_other_backward if same_forward else _warned_concurrent_backward
     if note and graph not in warned:
         warned.add(graph)

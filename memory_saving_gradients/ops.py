@@ -207,6 +207,10 @@ GRADIENT_IS_INCOMING = frozenset({
     "Identity", "ReadVariableOp", "Snapshot", "Reshape", "Squeeze", "ExpandDims",
     "EnsureShape",
 })
+#: Of those, the ops that pass the incoming gradient on as it is, of the same kind: an
+#: ``IndexedSlices`` (a gathered table's rows) stays one through a variable read or an
+#: identity (a reshape, a squeeze, an expand makes it dense).
+GRADIENT_PASSED_ON_AS_IS = GRADIENT_IS_INCOMING - {"Reshape", "Squeeze", "ExpandDims"}
 #: Gathers: the gradient of the params is an ``IndexedSlices`` (for ``GatherV2``, on axis 0).
 GATHERS = frozenset({"GatherV2", "ResourceGather", "Gather"})
 

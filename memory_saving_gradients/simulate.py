@@ -52,11 +52,6 @@ _END = float("inf")
 #: :data:`.ops.SAME_ELEMENTS`: outputs that hold exactly their first input's elements.
 _SAME_ELEMENTS_OP_TYPES = op_types.SAME_ELEMENTS
 
-#: Ops whose input's gradient is their output's, of the same kind: an ``IndexedSlices``
-#: (a gathered table's rows) passes through a variable read or an identity as it is
-#: (a reshape, a squeeze, an expand makes it dense).
-_GRADIENT_PASSED_ON = frozenset({"Identity", "ReadVariableOp", "EnsureShape", "Snapshot"})
-
 #: Ops whose input's gradient takes the buffer of their output's (written into it, or it).
 _GRADIENT_TAKES_INCOMING_BUFFER = (op_types.GRADIENT_WRITES_INTO_INCOMING
                                    | op_types.GRADIENT_IS_INCOMING)
@@ -731,9 +726,11 @@ def loop_note(region: graph_lib.ForwardRegion) -> tuple:
 #: Name scopes TensorFlow builds gradients in: ``tf.gradients`` (and this library's
 #: rewrite) ``gradients``, ``gradients_1``, ...; a ``tf.GradientTape`` in a graph
 #: ``gradient_tape``.
-_GRADIENT_SCOPES = ("gradients", "gradient_tape")
 #: A name scope ``tf.gradients`` or a tape opens: ``gradients``, ``gradient_tape_2``, ...
-_GRADIENT_SCOPE_NAME = re.compile("(?:%s)(?:_[0-9]+)?" % "|".join(_GRADIENT_SCOPES))
+_GRADIENT_SCOPE_NAME = re.compile("(?:gradients|gradient_tape)(?:_[0-9]+)?")
+
+#: How :func:`other_backward_note`'s note begins (the one over the same forward pass).
+SAME_FORWARD_NOTE = "the graph already holds another backward pass over this forward pass"
 
 
 def _gradient_scope(op: tf.Operation) -> str | None:
@@ -771,8 +768,7 @@ def other_backward_note(region: graph_lib.ForwardRegion,
     if not readers:
         return ()
     example = min(readers, key=graph_lib.op_order).name
-    return (f"the graph already holds another backward pass over this forward pass "
-            f"({len(readers)} gradient op(s) outside it read its tensors, e.g. {example}: "
+    return (f"{SAME_FORWARD_NOTE} ({len(readers)} gradient op(s) outside it read its tensors, e.g. {example}: "
             "a second tape or tf.gradients call, as in a GAN, or a persistent tape's "
             "earlier gradient; ops under a 'recompute' scope are the copies this library "
             "built for it): both peaks count only this "
@@ -796,8 +792,9 @@ def concurrent_backward_note(region: graph_lib.ForwardRegion,
     if not region.order:
         return ()
     inside = {scope for scope in map(_gradient_scope, region.order) if scope}
+    graph_ops = region.order[0].graph.get_operations()
     by_scope: dict = collections.defaultdict(list)
-    for op in region.order[0].graph.get_operations():
+    for op in graph_ops:
         scope = _gradient_scope(op)
         if scope is not None and scope not in inside and op not in region and counts(op):
             by_scope[scope].append(op)
@@ -805,7 +802,7 @@ def concurrent_backward_note(region: graph_lib.ForwardRegion,
     others = [op for ops in by_scope.values()
               if not devices or not _placed_devices(ops) or _placed_devices(ops) & devices
               for op in ops]
-    if not others or _waits_for_any(region, others):
+    if not others or _waits_for_any(region, others, graph_ops):
         return ()
     example = min(others, key=graph_lib.op_order).name
     return (f"the graph already holds another gradient computation over another forward "
@@ -825,14 +822,15 @@ def _placed_devices(ops: Sequence[tf.Operation]) -> set:
     return placed
 
 
-def _waits_for_any(region: graph_lib.ForwardRegion, others: Sequence[tf.Operation]) -> bool:
+def _waits_for_any(region: graph_lib.ForwardRegion, others: Sequence[tf.Operation],
+                   graph_ops: Sequence[tf.Operation]) -> bool:
     """Whether the region's ops wait for one of ``others``: one is their ancestor, or
     what is built on one writes a resource the region reads before the region reads it
     (in a ``tf.function``, TensorFlow makes a read wait for the writes made before it
     once the function is traced: a micro-batch's update before the next one's forward
     pass).  What is built on an op goes on through the resources it writes to their
     later reads (an optimizer's slot: the gradient into a moment, the moment into the
-    weight)."""
+    weight).  ``graph_ops``: every op of the graph."""
     others = set(others)
     waited_for: set = set()  # the region's ancestors
     stack = [t.op for op in region.order for t in op.inputs]
@@ -853,7 +851,7 @@ def _waits_for_any(region: graph_lib.ForwardRegion, others: Sequence[tf.Operatio
                 order = graph_lib.op_order(op)
                 first_read[t.ref()] = min(first_read.get(t.ref(), order), order)
     readers: dict = collections.defaultdict(list)  # resource -> ops reading it
-    for op in region.order[0].graph.get_operations():
+    for op in graph_ops:
         for t in op.inputs:
             if t.dtype == tf.resource:
                 readers[t.ref()].append(op)
@@ -1369,7 +1367,7 @@ def _backward_op(op, step, timeline, grads, region, xs_refs, size, memo, rename=
     reads, outputs, emitted = found
     if not grads.has_any(outputs):
         return False  # no gradient reaches it (a custom gradient's inner ops): not differentiated
-    if op.type in _GRADIENT_PASSED_ON and len(outputs) == 1 and len(emitted) == 1:
+    if op.type in op_types.GRADIENT_PASSED_ON_AS_IS and len(outputs) == 1 and len(emitted) == 1:
         # the incoming gradient itself: an IndexedSlices (a gathered table's) stays one
         incoming = grads.pending_bytes(outputs[0])
         emitted = [(emitted[0][0], min(emitted[0][1], incoming))]
