@@ -213,7 +213,8 @@ def test_collection_checkpoints_save_the_same(graph, measure_peak):
 
 def _assert_plan_is_measured(loss, ws, feed, measure_peak, slack: float) -> None:
     """plan()'s peaks of plain tf.gradients and of 'memory' are within ``slack`` of the
-    measured ones (the least of two measurements each), and 'memory''s gradients equal
+    measured ones (the least of three measurements each: under a two-worker run's load one
+    plain step read 12.0 MiB twice against 10.0), and 'memory''s gradients equal
     tf.gradients'.  Returns the measured peaks (plain, 'memory')."""
     return _assert_plan_is_measured_for(
         loss, ws, tf.compat.v1.gradients(loss, ws),
@@ -224,8 +225,8 @@ def _assert_plan_is_measured_for(loss, ws, want, got, feed, measure_peak, slack:
     """:func:`_assert_plan_is_measured` for gradients built already (``want``: plain's,
     ``got``: 'memory''s, as fetched)."""
     the_plan = msg.plan(loss, ws, checkpoints="memory")
-    plain = min(measure_peak(want, feed)[0] for _ in range(2))
-    ours = min(measure_peak(got, feed)[0] for _ in range(2))
+    plain = min(measure_peak(want, feed)[0] for _ in range(3))
+    ours = min(measure_peak(got, feed)[0] for _ in range(3))
     summary = (str(the_plan), plain / MIB, ours / MIB)
     assert abs(the_plan.baseline_peak_bytes / plain - 1) <= slack, summary
     assert abs(the_plan.predicted_peak_bytes / ours - 1) <= slack, summary
