@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _gc, guard, memo, notices, planning, recovery, reporting, rewrite, simulate, strategies
+from . import _gc, guard, memo, notices, planning, recovery, reporting, rewrite, simulate, size_ties, strategies
 from . import _tensorflow as _tf_internals
 from . import batch as batch_lib
 from . import graph as graph_lib
@@ -191,6 +191,7 @@ def _gradients(
             if chosen is None:
                 return _plain_for_tapes(problem.graph, ys, xs, grad_ys, options)
             _warn_unmodelled_workspaces(problem.region)
+            _warn_untied_sizes(problem)
             other_backward = _other_backward_note(problem)
             _warn_other_backward(problem.graph, other_backward)
             logger.debug("checkpoints: %s", [t.name for t in chosen])
@@ -417,16 +418,37 @@ def _what_is_unknown(region) -> tuple:
 
 
 def _beyond_batch_note(region) -> tuple:
-    """A note where dimensions other than the batch are unknown: they are counted as the
-    batch is, so ``batch_size=`` sets them too."""
+    """Notes where dimensions other than the batch are unknown: they are counted as the
+    batch is, so ``batch_size=`` sets them too.  Among them, the first dimensions of
+    tensors fed whose row counts nothing ties to the others' (:mod:`.size_ties`)."""
+    notes = ()
     beyond = graph_lib.unknown_beyond_batch(region)
-    if beyond is None:
-        return ()
-    return (f"dimensions besides the batch are unknown too (e.g. {beyond.name} "
-            f"{beyond.shape}): every unknown dimension is counted as the same size, and "
-            "batch_size= sets them all; to plan at the length you feed, trace the step with "
-            "it known (an input_signature of tf.TensorSpec([None, length]), or batches "
-            "padded to it)",)
+    if beyond is not None:
+        notes += (f"dimensions besides the batch are unknown too (e.g. {beyond.name} "
+                  f"{beyond.shape}): every unknown dimension is counted as the same size, and "
+                  "batch_size= sets them all; to plan at the length you feed, trace the step "
+                  "with it known (an input_signature of tf.TensorSpec([None, length]), or "
+                  "batches padded to it)",)
+    untied = size_ties.untied_group(region)
+    if untied:
+        notes += (_untied_note(*untied),)
+    return notes
+
+
+def _untied_note(group: list, rest: list) -> str:
+    """What :func:`size_ties.untied_group` found, and what to do about it."""
+    return (f"the unknown first dimension of {_named_tensors(group)} is tied by no op "
+            f"to that of {_named_tensors(rest)}, so the two may be fed different counts "
+            "(a graph's edges and its nodes): the plan counts both as one size, which "
+            "batch_size= sets, and its figures are off by the ratio of the counts you "
+            "feed; to plan at those, trace the step with them known (an input_signature "
+            "with the counts, or inputs padded to fixed counts)")
+
+
+def _named_tensors(tensors) -> str:
+    """``"e:0 (None, 2)"``, or ``"x:0 (None, 8) and 2 more"``."""
+    first = f"{tensors[0].name} {tensors[0].shape}"
+    return first if len(tensors) == 1 else f"{first} and {len(tensors) - 1} more"
 
 
 def _batch_notes(checkpoints, problem, memory_budget, unknown, subject, unit) -> tuple:
@@ -766,6 +788,23 @@ def _say_outer_differentiator(problem, outer: str) -> None:
         "one (no memory saved for it).", outer)
 
 
+_warned_untied_sizes: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
+
+
+def _warn_untied_sizes(problem) -> None:
+    """Once per graph, at WARNING: tensors fed with unknown first dimensions that no op
+    ties together (a graph's nodes and edges) are planned as one size
+    (:mod:`.size_ties`); a GNN step was predicted at 0.39x of what it measured."""
+    if problem.graph in _warned_untied_sizes or not _unknown_sizes(problem.region):
+        return
+    untied = size_ties.untied_group(problem.region)
+    if untied:
+        _warned_untied_sizes.add(problem.graph)
+        logger.warning("The memory plan of %s may be far off: %s.",
+                       _gradient_described(problem.ys, problem.xs),
+                       _untied_note(*untied))
+
+
 _warned_other_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 _warned_concurrent_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 
@@ -1088,6 +1127,8 @@ def _warn_nothing_kept(checkpoints, ys, xs, region, unknown_dim, unknown,
     elif plain_fits:
         why = (f"plain tf.gradients' predicted peak fits memory_budget="
                f"{describe_bytes(memory_budget)}, so nothing needs recomputing")
+        if unknown:
+            why += "".join(f" (but {note})" for note in _beyond_batch_note(region))
     else:
         any_batch = unknown_dim is None
         at = batch_lib.PLANNING_BATCHES[-1] if any_batch else unknown_dim

@@ -1,0 +1,130 @@
+"""Which fed tensors' unknown first dimensions must be the same size.
+
+Layer: analysis (reads the user's graph, changes nothing); imports: graph, _tensorflow.
+
+The planner counts every unknown dimension as one size, the batch.  That is right
+for the inputs of a supervised step (images and labels are fed the same number
+of rows: the loss combines them elementwise), and wrong where a step is fed
+counts that differ (a graph network's nodes and edges, a mixture of experts'
+tokens and routes): there the plan can be off by the ratio of the counts.
+
+TensorFlow's own shape functions tell the two apart.  The ops the region is
+computed from are imported into a scratch graph with each fed tensor's unknown
+first dimension set to a known size; where one group of them is given a size
+different from the rest and every op still infers its shape, nothing ties the
+group to the rest.  The user's graph is only read (``as_graph_def``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+
+from . import graph as graph_lib
+from ._tensorflow import tf
+
+logger = logging.getLogger(__name__)
+
+#: Sizes given to the unknown first dimensions: equal in their factors of 2, 3, 5 and 7
+#: (a reshape into ``[-1, 32]`` divides both or neither), different in one prime.
+SAME_SIZE, OTHER_SIZE = 2**6 * 3**2 * 5 * 7 * 11, 2**6 * 3**2 * 5 * 7 * 13
+#: Most fed tensors looked at, and most scratch imports made, per region.
+MOST_FED = 6
+MOST_IMPORTS = 8
+#: Graphs whose definition is larger than this are not imported (constants held in a
+#: ``tf.compat.v1`` graph): the check says nothing there.
+MOST_GRAPH_BYTES = 64 * 2**20
+
+_found: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
+
+
+def fed_with_unknown_first_dimension(region: graph_lib.ForwardRegion) -> list:
+    """The tensors fed to the region (:func:`graph.fed_tensors`) whose first dimension is
+    unknown, in the order their ops were made: the outputs of ops that read no data
+    (placeholders, a dataset iterator's elements), not those made from scalars (a
+    ``tf.range`` over another input's count, which its shape ties)."""
+    fed = [t for t in graph_lib.fed_tensors(region)
+           if t.shape.rank and t.shape.as_list()[0] is None
+           and t.dtype not in (tf.resource, tf.variant)
+           and all(i.dtype in (tf.resource, tf.variant) for i in t.op.inputs)]
+    return sorted(fed, key=graph_lib.tensor_order)
+
+
+def untied_group(region: graph_lib.ForwardRegion) -> tuple:
+    """``(group, rest)``: fed tensors whose unknown first dimension nothing in the graph
+    ties to that of the ``rest`` (each a non-empty list), or ``()`` where every such
+    tensor must be fed the same number of rows, where fewer than two are fed, or where
+    the check could not be made.  Remembered per graph and region."""
+    fed = fed_with_unknown_first_dimension(region)
+    if len(fed) < 2:
+        return ()
+    graph = fed[0].graph
+    key = (tuple(t.name for t in fed), len(region.ops),
+           min(op.name for op in region.ops), max(op.name for op in region.ops))
+    known = _found.setdefault(graph, {})
+    if key not in known:
+        known[key] = _untied_group(region, fed[:MOST_FED])
+    return known[key]
+
+
+def _untied_group(region: graph_lib.ForwardRegion, fed: list) -> tuple:
+    definition = _definition_above(region)
+    if definition is None:
+        return ()
+    imports = 0
+    # a group and its complement are the same test: groups up to half of the fed tensors
+    for size in range(1, len(fed) // 2 + 1):
+        for group in itertools.combinations(range(len(fed)), size):
+            if imports == MOST_IMPORTS:
+                return ()
+            imports += 1
+            if _shapes_infer(definition, fed, set(group)):
+                chosen = [fed[i] for i in group]
+                return chosen, [t for i, t in enumerate(fed) if i not in group]
+    return ()
+
+
+def _definition_above(region: graph_lib.ForwardRegion):
+    """The graph definition of the region's ops and every op they depend on, without
+    colocation constraints (they may name ops left out); None where it is too large."""
+    graph = next(iter(region.ops)).graph
+    needed, pending = set(), list(region.ops)
+    while pending:
+        op = pending.pop()
+        if op.name in needed:
+            continue
+        needed.add(op.name)
+        pending.extend(t.op for t in op.inputs)
+        pending.extend(op.control_inputs)
+    whole = graph.as_graph_def()
+    if whole.ByteSize() > MOST_GRAPH_BYTES:
+        logger.debug("size ties: graph definition of %d bytes not imported", whole.ByteSize())
+        return None
+    definition = tf.compat.v1.GraphDef()
+    definition.versions.CopyFrom(whole.versions)
+    definition.library.CopyFrom(whole.library)
+    for node in whole.node:
+        if node.name in needed:
+            kept = definition.node.add()
+            kept.CopyFrom(node)
+            if "_class" in kept.attr:
+                del kept.attr["_class"]
+    return definition
+
+
+def _shapes_infer(definition, fed: list, group: set) -> bool:
+    """Whether every op of ``definition`` infers its shape with the first dimension of the
+    fed tensors in ``group`` set to one size and that of the others to another."""
+    with tf.Graph().as_default():
+        input_map = {}
+        for i, t in enumerate(fed):
+            dims = t.shape.as_list()
+            dims[0] = OTHER_SIZE if i in group else SAME_SIZE
+            input_map[t.name] = tf.compat.v1.placeholder(t.dtype, dims)
+        try:
+            tf.graph_util.import_graph_def(definition, input_map=input_map, name="")
+        except (ValueError, TypeError, tf.errors.OpError) as error:
+            logger.debug("size ties: %s", str(error).splitlines()[0][:300])
+            return False
+    return True
