@@ -72,6 +72,8 @@ def _untied_group(region: graph_lib.ForwardRegion, fed: list) -> tuple:
     definition = _definition_above(region)
     if definition is None:
         return ()
+    unknown = sorted(op.name for op in region.ops
+                     if any(graph_lib.has_unknown_size(t) for t in op.outputs))
     imports = 0
     # a group and its complement are the same test: groups up to half of the fed tensors
     for size in range(1, len(fed) // 2 + 1):
@@ -79,7 +81,10 @@ def _untied_group(region: graph_lib.ForwardRegion, fed: list) -> tuple:
             if imports == MOST_IMPORTS:
                 return ()
             imports += 1
-            if _shapes_infer(definition, fed, set(group)):
+            inferred = _shapes_infer(definition, fed, set(group), unknown)
+            if inferred is None:
+                return ()  # some size stays unknown: an op that meets it cannot tie it
+            if inferred:
                 chosen = [fed[i] for i in group]
                 return chosen, [t for i, t in enumerate(fed) if i not in group]
     return ()
@@ -113,10 +118,15 @@ def _definition_above(region: graph_lib.ForwardRegion):
     return definition
 
 
-def _shapes_infer(definition, fed: list, group: set) -> bool:
+def _shapes_infer(definition, fed: list, group: set, unknown: list) -> bool | None:
     """Whether every op of ``definition`` infers its shape with the first dimension of the
-    fed tensors in ``group`` set to one size and that of the others to another."""
-    with tf.Graph().as_default():
+    fed tensors in ``group`` set to one size and that of the others to another: False
+    where one cannot; None where they can but an op named in ``unknown`` (the region's
+    ops of unknown output size) still has an output of unknown size, which a later op
+    could not have tied to anything (a loop's outputs keep their traced shapes, a
+    ``tf.signal.frame`` loses its rows: an audio or recurrent classifier's images and
+    labels then seemed untied)."""
+    with tf.Graph().as_default() as scratch:
         input_map = {}
         for i, t in enumerate(fed):
             dims = t.shape.as_list()
@@ -127,4 +137,10 @@ def _shapes_infer(definition, fed: list, group: set) -> bool:
         except (ValueError, TypeError, tf.errors.OpError) as error:
             logger.debug("size ties: %s", str(error).splitlines()[0][:300])
             return False
+        for name in unknown:
+            op = scratch.get_operation_by_name(name)
+            lost = next((t for t in op.outputs if graph_lib.has_unknown_size(t)), None)
+            if lost is not None:
+                logger.debug("size ties: %s %s stays unknown", lost.name, lost.shape)
+                return None
     return True

@@ -841,6 +841,56 @@ def test_inputs_that_an_op_ties_are_one_batch(caplog):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("front", ["stft", "while_loop"])
+def test_inputs_whose_tie_shape_inference_loses_are_not_said_to_be_untied(front):
+    """Audio [None, 4000] through ``tf.signal.stft`` in a ``tf.function`` (its frames lose
+    the rows), or features through a ``tf.while_loop`` (its outputs keep the shapes
+    traced, batch None), then a sparse softmax cross entropy with labels [None]: the
+    labels meet logits of unknown rows, so no op can tie them, and a helper's trial saw
+    the graph network's note on every such classifier (a Keras GRU's too).  Where a size
+    stays unknown with every fed size known, nothing is said."""
+    def variables():
+        return (tf.Variable(0.97), tf.Variable(tf.random.normal([257, 10]) * 0.01),
+                tf.Variable(tf.random.normal([32, 32]) * 0.1))
+
+    emphasis, w_audio, w_loop = variables()
+    found = {}
+
+    def loss_of(inputs, labels):
+        if front == "stft":
+            spectrum = tf.abs(tf.signal.stft(inputs[:, 1:] - emphasis * inputs[:, :-1], 512, 128))
+            logits, xs = tf.reduce_mean(spectrum, 1) @ w_audio, [emphasis, w_audio]
+        else:
+            _, h = tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.tanh(h @ w_loop)),
+                                 [0, inputs], shape_invariants=[
+                                     tf.TensorShape([]), tf.TensorShape([None, None])])
+            logits, xs = h[:, :10], [w_loop]
+        loss = tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits))
+        return loss, xs
+
+    width = 4000 if front == "stft" else 32
+
+    @tf.function(input_signature=[tf.TensorSpec([None, width]), tf.TensorSpec([None], tf.int32)])
+    def step(inputs, labels):
+        loss, xs = loss_of(inputs, labels)
+        found["plan"] = msg.plan(loss, xs, checkpoints="memory")
+        return loss
+
+    step.get_concrete_function()
+    with tf.Graph().as_default():  # the same in a v1 graph
+        emphasis, w_audio, w_loop = variables()
+        inputs = tf.compat.v1.placeholder(tf.float32, [None, width])
+        loss, xs = loss_of(inputs, tf.compat.v1.placeholder(tf.int32, [None]))
+        region = graph_lib.forward_region([loss], [x.handle for x in xs])
+        assert len(size_ties.fed_with_unknown_first_dimension(region)) == 2
+        v1_found = size_ties.untied_group(region)
+    assumptions = found["plan"].assumptions
+    assert not [n for n in assumptions if "tied by no op" in n], assumptions
+    assert v1_found == (), v1_found
+
+
+@pytest.mark.unit
 def test_inputs_tied_in_groups_are_split_between_the_groups():
     """Nodes and their targets are tied to each other, edges and per-edge weights to each
     other, and no op ties the two groups: no single input can be fed another count, but
