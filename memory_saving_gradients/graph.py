@@ -110,7 +110,10 @@ def copies_on_read(op: tf.Operation) -> bool:
     ``IndexedSlices``, which optimizers (Keras, tf_keras, ``tf.compat.v1.train``) apply
     with a scatter, built after the gradients, so from the second step on every read
     copies.  A table also read densely (an output projection tied to it) gets a dense
-    gradient and a dense update: its reads share its buffer."""
+    gradient and a dense update: its reads share its buffer.  A read whose value nothing
+    uses (Keras' embedding reads its table for a shape that is then known) decides
+    nothing: it made a fresh plan say "shares" and the same plan, asked after the
+    optimizer's scatter was built, say "copies"."""
     if op.type not in op_types.VARIABLE_READS or not op.inputs:
         return False
     reads = []
@@ -120,13 +123,14 @@ def copies_on_read(op: tf.Operation) -> bool:
             return True
         if consumer.type in op_types.VARIABLE_READS:
             reads.append(consumer.outputs[0])
-    return all(_read_only_by_row_gathers(value) for value in reads)
+    verdicts = [v for v in map(_read_only_by_row_gathers, reads) if v is not None]
+    return all(verdicts)
 
 
-def _read_only_by_row_gathers(value: tf.Tensor) -> bool:
+def _read_only_by_row_gathers(value: tf.Tensor) -> bool | None:
     """Whether every op that reads ``value`` (through identities, which the rewrite's
-    proxies are) is a row gather taking it as params, or reads only its shape; and one
-    gather at least."""
+    proxies are) is a row gather taking it as params, or reads only its shape, with
+    one gather at least; None where nothing reads more than its shape."""
     gathers, pending, seen = 0, [value], set()
     while pending:
         tensor = pending.pop()
@@ -143,7 +147,7 @@ def _read_only_by_row_gathers(value: tf.Tensor) -> bool:
                 gathers += 1
             else:
                 return False
-    return gathers > 0
+    return True if gathers else None
 
 
 def gathers_rows(op: tf.Operation) -> bool:
