@@ -239,7 +239,8 @@ def v1_control_flow_context(op: tf.Operation) -> _tf_internals.ControlFlowContex
 def is_recomputable(op: tf.Operation) -> bool:
     """Whether running a copy of ``op`` again is guaranteed to give the same result.
 
-    Stateful ops (random draws, variable reads and writes, queues, prints),
+    Stateful ops (random draws, variable reads and writes, queues, prints; not the
+    checks that pass their input on, :data:`.ops.CHECKS_OF_THEIR_INPUT`),
     ops that draw random numbers from ``seed``/``seed2`` attributes whatever their
     registration says (``FractionalMaxPool`` and ``FractionalAvgPool`` are registered
     stateless, yet with the default seed 0 each kernel draws its own pooling regions:
@@ -260,7 +261,7 @@ def is_recomputable(op: tf.Operation) -> bool:
     if v1_control_flow_context(op) is not None:
         return False
     try:
-        if op.op_def.is_stateful:
+        if op.op_def.is_stateful and op.type not in op_types.CHECKS_OF_THEIR_INPUT:
             return False
     except (AttributeError, ValueError):  # functions called by name have no OpDef
         return False

@@ -75,8 +75,15 @@ SPARSE_VARIABLE_ACCESS = frozenset({
 LISTS_OF_SLICES = frozenset({"TensorListFromTensor"})
 #: v1 reference variables (an ``Identity`` of one is the read of its value).
 REF_VARIABLES = frozenset({"VariableV2", "Variable"})
+#: Checks that pass their input on (its buffer), raising where it holds a NaN or an
+#: infinity (``tf.debugging.check_numerics``).  They are registered stateful only so
+#: that grappler neither folds nor prunes them: their result is a function of their
+#: input, so a copy of them is recomputed like a pure op (kept, each one made every
+#: layer a checkpoint and the step saved nothing).
+CHECKS_OF_THEIR_INPUT = frozenset({"CheckNumerics", "CheckNumericsV2"})
 #: Outputs that share their input's memory in the memory model: no new buffer.
-ALIASES = VALUE_FORWARDING | SAME_ELEMENTS | VARIABLE_READS | LISTS_OF_SLICES
+ALIASES = (VALUE_FORWARDING | SAME_ELEMENTS | VARIABLE_READS | LISTS_OF_SLICES
+           | CHECKS_OF_THEIR_INPUT)
 
 #: v1 ``TensorArray`` ops whose registered gradient finds its accumulator by the name
 #: scope of the gradient it receives (``tensor_array_grad._GetGradSource``): an in-place
@@ -131,6 +138,7 @@ GRADIENT_READS_NOTHING = frozenset({
     "SpaceToBatchND", "BatchToSpaceND", "SpaceToBatch", "BatchToSpace", "SpaceToDepth",
     "DepthToSpace", "PadV2", "MirrorPad", "ReverseV2", "Roll", "MatrixBandPart",
     "GatherNd", "Cumsum", "ResizeNearestNeighbor", "AvgPool", "AvgPool3D",
+    "CheckNumerics", "CheckNumericsV2",
 })
 #: The gradient reads the outputs only.
 GRADIENT_READS_OUTPUTS = frozenset({
@@ -205,12 +213,14 @@ IN_PLACE_ELEMENTWISE = frozenset({
 #: read's, an identity's): the input's gradient is the output's buffer, no new one.
 GRADIENT_IS_INCOMING = frozenset({
     "Identity", "ReadVariableOp", "Snapshot", "Reshape", "Squeeze", "ExpandDims",
-    "EnsureShape",
+    "EnsureShape", "CheckNumerics", "CheckNumericsV2",
 })
 #: Of those, the ops that pass the incoming gradient on as it is, of the same kind: an
 #: ``IndexedSlices`` (a gathered table's rows) stays one through a variable read or an
 #: identity (a reshape, a squeeze, an expand makes it dense).
-GRADIENT_PASSED_ON_AS_IS = GRADIENT_IS_INCOMING - {"Reshape", "Squeeze", "ExpandDims"}
+#: (a check's gradient is a check of the incoming gradient, which makes one dense)
+GRADIENT_PASSED_ON_AS_IS = (GRADIENT_IS_INCOMING - {"Reshape", "Squeeze", "ExpandDims"}
+                            - CHECKS_OF_THEIR_INPUT)
 #: Gathers: the gradient of the params is an ``IndexedSlices`` (for ``GatherV2``, on axis 0).
 GATHERS = frozenset({"GatherV2", "ResourceGather", "Gather"})
 

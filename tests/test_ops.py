@@ -76,7 +76,7 @@ def test_shape_only_readers_read_no_values_and_give_integers():
 
 def test_aliases_have_one_output_and_their_gradient_reads_nothing():
     assert ops.ALIASES == (ops.VALUE_FORWARDING | ops.SAME_ELEMENTS | ops.VARIABLE_READS
-                           | ops.LISTS_OF_SLICES)
+                           | ops.LISTS_OF_SLICES | ops.CHECKS_OF_THEIR_INPUT)
     for op_type in ops.ALIASES:
         assert len(shim.op_def(op_type).output_arg) == 1, op_type
     # PreventGradient's gradient raises: it reads nothing, but is no gradient to list
