@@ -807,7 +807,8 @@ def concurrent_backward_note(region: graph_lib.ForwardRegion,
     example = min(others, key=graph_lib.op_order).name
     return (f"the graph already holds another gradient computation over another forward "
             f"pass ({len(others)} op(s), e.g. {example}: micro-batches' tapes unrolled in "
-            "a Python loop) that nothing makes this one wait for: the executor may run "
+            "a Python loop, or two models' losses, as an actor's and a critic's) that "
+            "nothing makes this one wait for: the executor may run "
             "them side by side, and both peaks count only this gradient computation "
             "(docs/usage.md)",)
 
