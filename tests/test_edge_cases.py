@@ -278,17 +278,22 @@ def test_wrong_number_of_grad_ys(g):
                          [units[1], units[3]]))
 
 
-def test_a_list_predicted_to_raise_the_peak_is_said_to(g, caplog):
-    """Eight 256x256 layers at batch 32: the weights' gradients outweigh the
-    activations, and one checkpoint in the middle is predicted at 1.7x plain's peak.
-    The caller chose it, so it is kept, with a WARNING where plans are seen."""
-    x = tf.compat.v1.placeholder(tf.float32, [32, 256])
+def _eight_tanh_layers(batch):
+    """``(loss, weights, layer outputs)`` of eight 256x256 tanh layers fed ``batch`` rows."""
+    x = tf.compat.v1.placeholder(tf.float32, [batch, 256])
     ws = [tf.compat.v1.get_variable(f"w{i}", [256, 256]) for i in range(8)]
     h, units = x, []
     for w in ws:
         h = tf.tanh(h @ w)
         units.append(h)
-    loss = tf.reduce_sum(h)
+    return tf.reduce_sum(h), ws, units
+
+
+def test_a_list_predicted_to_raise_the_peak_is_said_to(g, caplog):
+    """Eight 256x256 layers at batch 32: the weights' gradients outweigh the
+    activations, and one checkpoint in the middle is predicted at 1.7x plain's peak.
+    The caller chose it, so it is kept, with a WARNING where plans are seen."""
+    loss, ws, units = _eight_tanh_layers(32)
     with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
         msg.gradients(loss, ws, checkpoints=[units[3]])
         msg.gradients(loss, ws, checkpoints="memory")
@@ -306,13 +311,7 @@ def test_a_list_raising_the_peak_at_the_unknown_batch_s_stand_in_says_at_which(g
     raises the peak, while at 4096 it saves (a helper's trial: a list said to raise the
     peak 1.20x, measured 0.44x of plain at the batch fed).  The warning says that 32
     stands in for the batch and gives the ratio at each batch planned for."""
-    x = tf.compat.v1.placeholder(tf.float32, [None, 256])
-    ws = [tf.compat.v1.get_variable(f"w{i}", [256, 256]) for i in range(8)]
-    h, units = x, []
-    for w in ws:
-        h = tf.tanh(h @ w)
-        units.append(h)
-    loss = tf.reduce_sum(h)
+    loss, ws, units = _eight_tanh_layers(None)
     with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
         the_plan = msg.plan(loss, ws, checkpoints=[units[3]])
         msg.gradients(loss, ws, checkpoints=[units[3]])
