@@ -911,3 +911,22 @@ def test_inputs_tied_in_groups_are_split_between_the_groups():
     found = sorted(t.op.name for t in group), sorted(t.op.name for t in rest)
     assert sorted(found) == [["edge_weights", "edges"], ["nodes", "targets"]], found
     assert whole == (), whole
+
+
+@pytest.mark.unit
+def test_a_check_of_ties_that_fails_says_nothing_and_fails_no_rewrite(monkeypatch):
+    """The scratch import is advice: whatever it raises, the note is left out and the
+    gradients are built."""
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("an importer that fails")
+
+    monkeypatch.setattr(size_ties, "_shapes_infer", broken)
+    with tf.Graph().as_default():
+        nodes = tf.compat.v1.placeholder(tf.float32, [None, 16])
+        edges = tf.compat.v1.placeholder(tf.int32, [None, 2])
+        weights = [tf.Variable(tf.random.normal([16, 16])) for _ in range(3)]
+        loss = _message_passing(nodes, edges, nodes, weights)
+        the_plan = msg.plan(loss, weights, checkpoints="memory")
+        grads = msg.gradients(loss, weights, checkpoints="memory")
+    assert not [n for n in the_plan.assumptions if "tied by no op" in n], the_plan.assumptions
+    assert all(g is not None for g in grads)
