@@ -124,7 +124,7 @@ def copies_on_read(op: tf.Operation) -> bool:
         if consumer.type in op_types.VARIABLE_READS:
             reads.append(consumer.outputs[0])
     verdicts = [v for v in map(_read_only_by_row_gathers, reads) if v is not None]
-    return all(verdicts)
+    return bool(verdicts) and all(verdicts)
 
 
 def _read_only_by_row_gathers(value: tf.Tensor) -> bool | None:

@@ -94,6 +94,22 @@ def test_a_table_read_only_by_lookups_is_read_as_a_copy(tied, unused_read):
     assert all(graph_lib.shares_input_buffer(op) is tied for op in reads)
 
 
+@pytest.mark.unit
+def test_a_table_no_lookup_reads_is_not_read_as_a_copy():
+    """A variable whose reads only give its shape gets no gradient and no scatter: its
+    reads share its buffer (a reviewer found it counted as copied)."""
+    table = tf.Variable(tf.zeros([1000, 16]))
+
+    @tf.function
+    def shape_only():
+        tf.shape(table)
+        return tf.shape(tf.convert_to_tensor(table))
+
+    graph = shape_only.get_concrete_function().graph
+    reads = [op for op in graph.get_operations() if op.type == "ReadVariableOp"]
+    assert reads and not any(graph_lib.copies_on_read(op) for op in reads)
+
+
 @pytest.mark.memory
 @pytest.mark.subprocess
 @pytest.mark.own_process

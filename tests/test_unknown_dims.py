@@ -930,3 +930,49 @@ def test_a_check_of_ties_that_fails_says_nothing_and_fails_no_rewrite(monkeypatc
         grads = msg.gradients(loss, weights, checkpoints="memory")
     assert not [n for n in the_plan.assumptions if "tied by no op" in n], the_plan.assumptions
     assert all(g is not None for g in grads)
+
+
+@pytest.mark.unit
+def test_a_graph_network_step_in_a_tf_function_is_said_to_have_untied_counts():
+    """The same message passing in a ``tf.function`` reading variables: the scratch graph
+    had no shapes for the captured variables' handles, every layer's output stayed
+    unknown there, and the check said nothing (a reviewer's finding).  The variables'
+    values are now fed with their shapes, and the edges are named."""
+    weights = [tf.Variable(tf.random.normal([16, 16])) for _ in range(3)]
+    found = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 16]), tf.TensorSpec([None, 2], tf.int32),
+                                  tf.TensorSpec([None, 16])])
+    def step(nodes, edges, targets):
+        loss = _message_passing(nodes, edges, targets, weights)
+        found["plan"] = msg.plan(loss, weights, checkpoints="memory")
+        return loss
+
+    step.get_concrete_function()
+    said = [n for n in found["plan"].assumptions if "tied by no op" in n]
+    assert len(said) == 1 and said[0].split("tied by no op")[0].count("edges"), said
+
+
+@pytest.mark.unit
+def test_five_inputs_and_an_unused_one_are_grouped_as_the_graph_ties_them():
+    """Nodes, senders, receivers, per-edge weights and targets (five inputs, none of which
+    can be fed another count alone: the 9th group tried was the first to answer, past
+    the 8 imports allowed before), and a dataset element the model never reads (a v1
+    iterator's ``(..., example_id)``), which no op ties and which was named as untied."""
+    with tf.Graph().as_default():
+        elements = tf.compat.v1.data.make_one_shot_iterator(
+            tf.data.Dataset.from_tensors((tf.zeros([8, 16]), tf.zeros([8], tf.int64)))
+            .unbatch().batch(4)).get_next()
+        nodes = tf.compat.v1.placeholder(tf.float32, [None, 16], name="nodes")
+        senders = tf.compat.v1.placeholder(tf.int32, [None], name="senders")
+        receivers = tf.compat.v1.placeholder(tf.int32, [None], name="receivers")
+        edge_weights = tf.compat.v1.placeholder(tf.float32, [None], name="edge_weights")
+        weights = [tf.Variable(tf.random.normal([16, 16])) for _ in range(3)]
+        edges = tf.stack([senders, receivers], 1)
+        loss = _message_passing(nodes + elements[0], edges, nodes, weights, edge_weights)
+        region = graph_lib.forward_region([loss], [w.handle for w in weights])
+        assert len(size_ties.fed_with_unknown_first_dimension(region)) == 5
+        group, rest = size_ties.untied_group(region)
+    found = sorted([sorted(t.op.name for t in group), sorted(t.op.name for t in rest)])
+    assert found == [["IteratorGetNext", "nodes"],
+                     ["edge_weights", "receivers", "senders"]], found
