@@ -585,24 +585,24 @@ def _warn_if_list_raises_the_peak(made_plan) -> None:
     in_step = made_plan.in_step_ratio or made_plan.predicted_ratio
     if made_plan.strategy != "list" or in_step <= 1 + strategies.LEAST_PEAK_TOLERANCE:
         return
-    at = ""
+    at, by_size = "", ""
     if made_plan.depends_on_batch and not made_plan.batch_stated:
-        # the figures are at a stand-in for the unknown batch: say so, and at which
-        # of the batches planned for the list raises the peak
+        # the figures are at a stand-in for the unknown sizes: say so, and at which of
+        # the sizes planned for the list raises the peak
         by_batch = made_plan.ratios_by_batch(in_step=True)
-        raising = [b for b, ratio in by_batch if ratio > 1 + strategies.LEAST_PEAK_TOLERANCE]
-        if not raising:
+        if all(ratio <= 1 + strategies.LEAST_PEAK_TOLERANCE for _, ratio in by_batch):
             return
-        at = (f" at batch {made_plan.batch}, which stands in for the unknown batch (in a "
-              "step, by batch: " + ", ".join(f"{b}: {r:.2f}x" for b, r in by_batch)
-              + "; pass batch_size= with the batch you feed)")
+        at = (f" at size {made_plan.batch}, which stands in for the unknown dimensions "
+              "(pass batch_size= with the size you feed)")
+        by_size = " In a step, by size: " + ", ".join(
+            f"{b}: {r:.2f}x" for b, r in by_batch) + "."
     logger.warning(
-        "the %d checkpoints given are predicted to raise the peak of a training step "
+        "the %d checkpoints given are predicted%s to raise the peak of a training step "
         "that applies each gradient as it is made above plain tf.gradients': %.2fx "
         "(%.2fx with every gradient held to the end, as session.run(grads) holds "
-        "them)%s, as what they hold outweighs what they let go; checkpoints='memory' "
-        "searches for a plan that saves.",
-        len(made_plan.checkpoints), in_step, made_plan.predicted_ratio, at)
+        "them), as what they hold outweighs what they let go; checkpoints='memory' "
+        "searches for a plan that saves.%s",
+        len(made_plan.checkpoints), at, in_step, made_plan.predicted_ratio, by_size)
 
 
 def _warn_unmodelled_workspaces(region) -> None:

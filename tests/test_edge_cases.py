@@ -310,7 +310,7 @@ def test_a_list_raising_the_peak_at_the_unknown_batch_s_stand_in_says_at_which(g
     """The same layers with the batch unknown: the figures are at 32, where the list
     raises the peak, while at 4096 it saves (a helper's trial: a list said to raise the
     peak 1.20x, measured 0.44x of plain at the batch fed).  The warning says that 32
-    stands in for the batch and gives the ratio at each batch planned for."""
+    stands in for the unknown size and gives the ratio at each size planned for."""
     loss, ws, units = _eight_tanh_layers(None)
     with caplog.at_level(logging.INFO, logger="memory_saving_gradients"):
         the_plan = msg.plan(loss, ws, checkpoints=[units[3]])
@@ -319,7 +319,7 @@ def test_a_list_raising_the_peak_at_the_unknown_batch_s_stand_in_says_at_which(g
     assert by_batch[4096] < 1 < the_plan.in_step_ratio, (by_batch, the_plan.in_step_ratio)
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
             and "predicted to raise the peak" in r.getMessage()]
-    assert len(said) == 1 and "stands in for the unknown batch" in said[0], said
+    assert len(said) == 1 and "at size 32, which stands in for the unknown" in said[0], said
     assert f"4096: {by_batch[4096]:.2f}x" in said[0], said
 
 
