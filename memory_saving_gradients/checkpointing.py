@@ -597,8 +597,8 @@ def _warn_if_list_raises_the_peak(made_plan) -> None:
         by_size = " In a step, by size: " + ", ".join(
             f"{b}: {r:.2f}x" for b, r in by_batch) + "."
     logger.warning(
-        "the %d checkpoints given are predicted%s to raise the peak of a training step "
-        "that applies each gradient as it is made above plain tf.gradients': %.2fx "
+        "the %d checkpoints given are predicted to raise the peak of a training step "
+        "that applies each gradient as it is made above plain tf.gradients'%s: %.2fx "
         "(%.2fx with every gradient held to the end, as session.run(grads) holds "
         "them), as what they hold outweighs what they let go; checkpoints='memory' "
         "searches for a plan that saves.%s",
