@@ -217,8 +217,8 @@ GRADIENT_IS_INCOMING = frozenset({
 })
 #: Of those, the ops that pass the incoming gradient on as it is, of the same kind: an
 #: ``IndexedSlices`` (a gathered table's rows) stays one through a variable read or an
-#: identity (a reshape, a squeeze, an expand makes it dense).
-#: (a check's gradient is a check of the incoming gradient, which makes one dense)
+#: identity (a reshape, a squeeze, an expand makes it dense, and so does a check, whose
+#: gradient is a check of the incoming gradient).
 GRADIENT_PASSED_ON_AS_IS = (GRADIENT_IS_INCOMING - {"Reshape", "Squeeze", "ExpandDims"}
                             - CHECKS_OF_THEIR_INPUT)
 #: Gathers: the gradient of the params is an ``IndexedSlices`` (for ``GatherV2``, on axis 0).
