@@ -1405,11 +1405,24 @@ class _Contributions:
         return self._totals[key]
 
     def pending(self) -> list:
-        """The gradient tensors that steps not yet built will read."""
-        return [
-            part for key in self._open for g in self._parts[key]
-            for part in rewrite.tensors_of(g)
-        ]
+        """The gradient tensors that steps not yet built will read as they are.
+
+        A contribution summed with others is read later only by their sum, which
+        follows a recomputation's wait only through a contribution made after that
+        wait: no op built before reads that one, so grappler can merge none with the
+        sum (:class:`_ReadersOfPendingGradients`).  Of a tensor with several
+        contributions only an ``IndexedSlices``' dense shape counts: their
+        concatenation passes it on as it is.
+        """
+        pending = []
+        for key in self._open:
+            parts = self._parts[key]
+            for g in parts:
+                if len(parts) == 1:
+                    pending.extend(rewrite.tensors_of(g))
+                elif isinstance(g, tf.IndexedSlices) and g.dense_shape is not None:
+                    pending.append(g.dense_shape)
+        return pending
 
 
 class _BackwardPass:

@@ -644,21 +644,28 @@ def _recurrent_step(batch):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.own_process
 def test_recurrent_layers_keep_no_tensor_list_and_hold_no_more_than_plain():
     """A TensorList holds a whole sequence whose bytes the memory model cannot see:
     no variant is kept as a checkpoint and no op on one is recomputed, so the
     measured peak of a Keras recurrent stack is not above plain's (it was 1.07x with
     the lists kept); where the model predicts no saving, the patch falls back and says
-    so. Slack: 3% of plain's peak, the spread of three traced steps."""
+    so. Slack: 3% of plain's peak, the spread of three steps measured alone (123.25 to
+    126.75 MiB for each, both falling back to tf.gradients).  In a process of its own,
+    each the least of three steps taken in turn: in a two-worker run plain's least was
+    122.75 against 126.75."""
     make, x, y = _recurrent_step(512)
     plain_step = make()
     want = plain_step(x, y)
-    plain = min(msg.peak_memory_during(lambda: plain_step(x, y)) for _ in range(3))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with msg.patched("memory") as handle:
             ours_step = make()
             got = ours_step(x, y)
+    plain, ours = (min(peaks) for peaks in zip(*[
+        (msg.peak_memory_during(lambda: plain_step(x, y)),
+         msg.peak_memory_during(lambda: ours_step(x, y))) for _ in range(3)]))
     # the memory model now predicts no saving here (what the loops keep dominates): the
     # patch then falls back to plain tf.gradients, and says so
     fell_back = [w for w in caught if issubclass(w.category, msg.NothingKeptWarning)]
@@ -667,7 +674,6 @@ def test_recurrent_layers_keep_no_tensor_list_and_hold_no_more_than_plain():
         assert not [t for t in plan.checkpoints if t.dtype == tf.variant], plan.checkpoints
         assert not [kind for kind, _ in plan.recomputed_ops if kind.startswith("TensorList")], plan
         assert "TensorLists: both peaks count them from each loop's body" in str(plan), plan
-    ours = min(msg.peak_memory_during(lambda: ours_step(x, y)) for _ in range(3))
     assert ours <= 1.03 * plain, (ours / 2**20, plain / 2**20)
     for a, b in zip(want, got):
         a, b = (tf.convert_to_tensor(g).numpy() for g in (a, b))
