@@ -1680,7 +1680,7 @@ class _ReadersOfPendingGradients:
             if not graph_lib.forwards_its_input(current):
                 marks.update(root for root in map(graph_lib.value_root, current.inputs)
                              if root in roots)
-            # a value not pending now is never read by a later segment
+            # a value not pending now is never read as it is by a later segment
             self._marks[current] = frozenset(marks & roots)
         return self._marks[op]
 
