@@ -33,6 +33,7 @@ from . import _gc, guard, memo, notices, planning, recovery, reporting, rewrite,
 from . import _tensorflow as _tf_internals
 from . import batch as batch_lib
 from . import graph as graph_lib
+from . import ops as op_types
 from . import schedule as schedule_lib
 from ._nesting import Nesting
 from ._tensorflow import gpu_visible, onednn_enabled, tf, tf_gradients
@@ -817,6 +818,25 @@ def _warn_untied_sizes(problem) -> None:
                        _untied_note(*untied))
 
 
+_warned_python_recomputed: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
+
+
+def _warn_python_recomputed(ops) -> None:
+    """Once per graph, at WARNING: a ``tf.numpy_function(..., stateful=False)`` is
+    recomputed, so its Python code runs again in the backward pass; one that draws
+    random numbers then gives wrong gradients (a helper's trial: 24-143% off), which
+    nothing else would say."""
+    calls = [op for op in ops if op.type in op_types.STATELESS_PYTHON_FUNCTIONS]
+    if not calls or calls[0].graph in _warned_python_recomputed:
+        return
+    _warned_python_recomputed.add(calls[0].graph)
+    logger.warning(
+        "%s (a tf.numpy_function with stateful=False) is recomputed: its Python function "
+        "runs again in the backward pass and must return the same values for the same "
+        "inputs; if it draws random numbers the gradients are wrong. Declare it "
+        "stateful=True to keep its output instead.", calls[0].name)
+
+
 _warned_other_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 _warned_concurrent_backward: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 
@@ -1516,6 +1536,7 @@ class _BackwardPass:
             variables, f"recompute_{index}/inputs",
             [op for op in waits if op not in self._top_waits], data_after=data_after,
         ))
+        _warn_python_recomputed(step.segment.ops)
         copies = rewrite.copy_ops(step.segment.ops, inputs, waits, f"recompute_{index}")
         # each copy's input gradients are released together (or, where the memory model
         # allows it, before its pair's are used), so that the executor frees the

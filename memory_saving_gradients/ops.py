@@ -81,6 +81,12 @@ REF_VARIABLES = frozenset({"VariableV2", "Variable"})
 #: input, so a copy of them is recomputed like a pure op (kept, each one made every
 #: layer a checkpoint and the step saved nothing).
 CHECKS_OF_THEIR_INPUT = frozenset({"CheckNumerics", "CheckNumericsV2"})
+#: ``tf.py_function``: its Python code runs eagerly, and its gradient reads the eager
+#: tape TensorFlow records at each call (stateful: never recomputed).
+EAGER_PYTHON_FUNCTIONS = frozenset({"EagerPyFunc"})
+#: ``tf.numpy_function(..., stateful=False)``: registered stateless, so recomputed; its
+#: Python code then runs again.
+STATELESS_PYTHON_FUNCTIONS = frozenset({"PyFuncStateless"})
 #: Outputs that share their input's memory in the memory model: no new buffer.
 ALIASES = (VALUE_FORWARDING | SAME_ELEMENTS | VARIABLE_READS | LISTS_OF_SLICES
            | CHECKS_OF_THEIR_INPUT)

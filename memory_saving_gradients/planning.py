@@ -274,7 +274,7 @@ def make_plan(
         strategy=strategy,
         assumptions=tuple(sorted(set(predicted.assumptions + baseline.assumptions)))
         + tuple(batch_note) + simulate.workspace_note(region, onednn, gpu)
-        + simulate.loop_note(region),
+        + simulate.loop_note(region) + simulate.python_function_note(region),
         recomputed_ops=predicted.recomputed_ops,
         batch=None if batch_known else int(unknown_dim),
         schedule=schedule,
