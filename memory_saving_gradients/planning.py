@@ -10,7 +10,7 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING, Sequence
 
-from . import _gc, notices, simulate
+from . import _gc, notices, simulate, terms
 from . import batch as batch_lib
 from . import graph as graph_lib
 from . import schedule as schedule_lib
@@ -274,7 +274,8 @@ def make_plan(
         strategy=strategy,
         assumptions=tuple(sorted(set(predicted.assumptions + baseline.assumptions)))
         + tuple(batch_note) + simulate.workspace_note(region, onednn, gpu)
-        + simulate.loop_note(region) + simulate.python_function_note(region),
+        + simulate.loop_note(region) + simulate.python_function_note(region)
+        + terms.note(region, ys, xs, sizer),
         recomputed_ops=predicted.recomputed_ops,
         batch=None if batch_known else int(unknown_dim),
         schedule=schedule,
