@@ -36,7 +36,7 @@ def separate_terms(region: graph_lib.ForwardRegion, ys: Sequence[tf.Tensor],
     def made_inside(t: tf.Tensor) -> bool:
         return t.op in region and t.ref() not in x_keys
 
-    combining, roots = set(), []
+    combining, roots = set(), set()
     stack = [y.op for y in ys if y.op in region]
     while stack:
         op = stack.pop()
@@ -44,7 +44,7 @@ def separate_terms(region: graph_lib.ForwardRegion, ys: Sequence[tf.Tensor],
             continue
         reads_in, reads_out = graph_lib.gradient_reads(op, wanted)
         if any(made_inside(t) for t in list(reads_in) + list(reads_out)):
-            roots.append(op)
+            roots.add(op)  # a term's last op: its gradient reads its own forward pass
             continue
         combining.add(op)
         stack.extend(t.op for t in op.inputs if made_inside(t))
@@ -52,7 +52,7 @@ def separate_terms(region: graph_lib.ForwardRegion, ys: Sequence[tf.Tensor],
         return []
     parent: dict = {}
 
-    def find(op):
+    def find(op):  # union-find with path halving
         while parent.get(op, op) is not op:
             parent[op] = parent.get(parent[op], parent[op])
             op = parent[op]
