@@ -193,7 +193,7 @@ def _gradients(
                 return _plain_for_tapes(problem.graph, ys, xs, grad_ys, options)
             _warn_unmodelled_workspaces(problem.region)
             _warn_untied_sizes(problem)
-            _warn_separate_terms(problem)
+            _warn_separate_terms(problem, batch_size)
             other_backward = _other_backward_note(problem)
             _warn_other_backward(problem.graph, other_backward)
             logger.debug("checkpoints: %s", [t.name for t in chosen])
@@ -582,6 +582,8 @@ _warned_workspaces = False
 #: The strategies whose checkpoints the caller chose: a list, or the ``'checkpoints'``
 #: collection.
 _CHOSEN_BY_THE_CALLER = frozenset({"list", "collection"})
+#: The least recomputation (of a forward pass) that a list saving nothing is said for.
+LEAST_RECOMPUTATION_SAID = 0.05
 
 
 def _warn_if_list_raises_the_peak(made_plan) -> None:
@@ -622,7 +624,7 @@ def _warn_if_list_saves_nothing(made_plan, in_step: float) -> None:
     trial: a collection planned at plain's very peak, recomputing 324 ops at a predicted
     1.35x step time, was rewritten with nothing said)."""
     least = 1 - strategies.LEAST_PEAK_TOLERANCE
-    if in_step < least or not made_plan.recompute_cost:
+    if in_step < least or made_plan.recompute_cost < LEAST_RECOMPUTATION_SAID:
         return
     at = ""
     if made_plan.depends_on_batch and not made_plan.batch_stated:
@@ -630,11 +632,13 @@ def _warn_if_list_saves_nothing(made_plan, in_step: float) -> None:
             return
         at = " at every size planned for the unknown dimensions"
     logger.warning(
-        "the %d checkpoints given are predicted to save nothing in a training step that "
-        "applies each gradient as it is made%s (%.2fx plain tf.gradients' peak) while the "
+        "the %d checkpoints given are predicted to save nothing (less than %d%%) in a "
+        "training step that applies each gradient as it is made%s: %.2fx plain "
+        "tf.gradients' peak (%.2fx with every gradient held to the end), while the "
         "backward pass recomputes %.2f of a forward pass (predicted step time %.2fx); "
         "checkpoints='memory' searches for a plan that saves.",
-        len(made_plan.checkpoints), at, in_step, made_plan.recompute_cost,
+        len(made_plan.checkpoints), round(100 * strategies.LEAST_PEAK_TOLERANCE), at,
+        in_step, made_plan.predicted_ratio, made_plan.recompute_cost,
         made_plan.predicted_step_ratio)
 
 
@@ -853,7 +857,7 @@ def _warn_untied_sizes(problem) -> None:
 _warned_separate_terms: "weakref.WeakSet[tf.Graph]" = weakref.WeakSet()
 
 
-def _warn_separate_terms(problem) -> None:
+def _warn_separate_terms(problem, batch_size) -> None:
     """Once per graph, at WARNING: ys sum terms from separate forward passes, whose
     backward passes TensorFlow may start while the others' forward passes run
     (:mod:`.terms`); on a WGAN-GP critic step every strategy measured above plain
@@ -861,7 +865,7 @@ def _warn_separate_terms(problem) -> None:
     if problem.graph in _warned_separate_terms:
         return
     found = terms.note(problem.region, problem.ys, problem.xs,
-                       lambda t: graph_lib.tensor_bytes(t, _unknown_dim(None)))
+                       lambda t: graph_lib.tensor_bytes(t, _unknown_dim(batch_size)))
     if found:
         _warned_separate_terms.add(problem.graph)
         logger.warning("The memory plan of %s may be far off: %s.",
@@ -1479,20 +1483,31 @@ class _Contributions:
 
         A contribution summed with others is read later only by their sum, which
         follows a recomputation's wait only through a contribution made after that
-        wait: no op built before reads that one, so grappler can merge none with the
-        sum (:class:`_ReadersOfPendingGradients`).  Of a tensor with several
+        wait: no op built before reads that one, so common-subexpression elimination
+        cannot merge one with the sum, and a sum (``AddN``, a concatenation, an
+        ``IndexedSlices``' conversion) is no partner of a fusion of two readers of one
+        value (a bias gradient with a filter gradient) (:class:`_ReadersOfPendingGradients`).
+        Of a tensor with several
         contributions only an ``IndexedSlices``' dense shape counts: their
-        concatenation passes it on as it is.
+        concatenation passes it on as it is.  Contributions that may be zeros (filled
+        or constant: grappler drops them from a sum, which may leave the other one
+        read as it is) do not make a sum.
         """
         pending = []
         for key in self._open:
             parts = self._parts[key]
+            summed = sum(1 for g in parts if not _may_be_zeros(g)) >= 2
             for g in parts:
-                if len(parts) == 1:
+                if not summed:
                     pending.extend(rewrite.tensors_of(g))
                 elif isinstance(g, tf.IndexedSlices) and g.dense_shape is not None:
                     pending.append(g.dense_shape)
         return pending
+
+
+def _may_be_zeros(gradient) -> bool:
+    """Whether a dense gradient contribution may be all zeros (made by a fill or a constant)."""
+    return isinstance(gradient, tf.Tensor) and gradient.op.type in op_types.MAY_BE_ZEROS
 
 
 class _BackwardPass:
@@ -1586,7 +1601,6 @@ class _BackwardPass:
             variables, f"recompute_{index}/inputs",
             [op for op in waits if op not in self._top_waits], data_after=data_after,
         ))
-        _warn_python_recomputed(step.segment.ops)
         copies = rewrite.copy_ops(step.segment.ops, inputs, waits, f"recompute_{index}")
         # each copy's input gradients are released together (or, where the memory model
         # allows it, before its pair's are used), so that the executor frees the
@@ -1604,6 +1618,7 @@ class _BackwardPass:
         running = graph_lib.copies_that_run(
             step.segment.ops, graph_lib.needs_gradient_in(region, self._x_keys),
             self._schedule.read_kept, region.receives_gradient)
+        _warn_python_recomputed(running)
         try:
             with rewrite.closures_read_copies(copies, running), \
                     self._gates.recording(gated, late):

@@ -81,6 +81,9 @@ REF_VARIABLES = frozenset({"VariableV2", "Variable"})
 #: input, so a copy of them is recomputed like a pure op (kept, each one made every
 #: layer a checkpoint and the step saved nothing).
 CHECKS_OF_THEIR_INPUT = frozenset({"CheckNumerics", "CheckNumericsV2"})
+#: Ops whose output may be all zeros (a fill, a constant), which grappler's arithmetic
+#: optimizer drops from a sum.
+MAY_BE_ZEROS = frozenset({"ZerosLike", "Fill", "Const", "BroadcastTo"})
 #: ``tf.py_function``: its Python code runs eagerly, and its gradient reads the eager
 #: tape TensorFlow records at each call (stateful: never recomputed).
 EAGER_PYTHON_FUNCTIONS = frozenset({"EagerPyFunc"})

@@ -28,8 +28,8 @@ def separate_terms(region: graph_lib.ForwardRegion, ys: Sequence[tf.Tensor],
                    xs: Sequence[tf.Tensor]) -> list:
     """The forward passes (lists of ops, in the region's order) that ``ys`` sum and that
     meet only in the ops combining them (whose gradients read nothing the region makes)
-    and in the xs they read; one list where the passes meet elsewhere.  Linear in the
-    region."""
+    and in the xs they read, each reading a batch of its own (:func:`_reads_data`); none
+    where fewer than two such passes are found.  About linear in the region."""
     x_keys = {x.ref() for x in xs}
     wanted = graph_lib.needs_gradient_in(region, x_keys)
 
@@ -50,6 +50,15 @@ def separate_terms(region: graph_lib.ForwardRegion, ys: Sequence[tf.Tensor],
         stack.extend(t.op for t in op.inputs if made_inside(t))
     if len(roots) < 2:
         return []
+    # a combining op that a pass also reads (a residual stream's add, read by the next
+    # block) belongs to that pass: the terms do not meet only in sums there
+    worklist = list(combining)
+    while worklist:
+        op = worklist.pop()
+        if op in combining and any(c in region and c not in combining
+                                   for t in op.outputs for c in t.consumers()):
+            combining.discard(op)
+            worklist.extend(t.op for t in op.inputs if t.op in combining)
     parent: dict = {}
 
     def find(op):  # union-find with path halving
@@ -74,7 +83,18 @@ def separate_terms(region: graph_lib.ForwardRegion, ys: Sequence[tf.Tensor],
         if op not in combining:
             passes.setdefault(find(op), []).append(op)
     with_root = {find(op) for op in roots}
-    return [ops for key, ops in passes.items() if key in with_root]
+    return [ops for key, ops in passes.items() if key in with_root and _reads_data(ops, x_keys, region)]
+
+
+def _reads_data(ops: list, x_keys: set, region: graph_lib.ForwardRegion) -> bool:
+    """Whether a pass reads values fed or made outside the region besides the xs and
+    variables (a batch; not a scalar, an axis or a shape): a weight penalty
+    (``sum(square(w))``, ``tf.norm(w)``) reads only its weights, and its gradient runs
+    whenever the weights are read."""
+    return any(t.op not in region and t.ref() not in x_keys
+               and not graph_lib.reads_a_variable(t) and graph_lib.is_float_or_complex(t)
+               and t.shape.rank != 0
+               for op in ops for t in op.inputs)
 
 
 def note(region: graph_lib.ForwardRegion, ys: Sequence[tf.Tensor], xs: Sequence[tf.Tensor],
@@ -90,9 +110,9 @@ def note(region: graph_lib.ForwardRegion, ys: Sequence[tf.Tensor], xs: Sequence[
     large = [ops for nbytes, ops in weighed if nbytes >= LEAST_SHARE * total]
     if len(large) < 2:
         return ()
-    examples = ", ".join(ops[-1].name for ops in large[:2])
+    examples = ", ".join(ops[-1].name for ops in large[:2]) + (", ..." if len(large) > 2 else "")
     return (f"ys sum {len(large)} terms computed by separate forward passes (ending at "
-            f"{examples}, ...): TensorFlow may run one term's backward pass while another's "
+            f"{examples}): TensorFlow may run one term's backward pass while another's "
             "forward pass runs, which neither peak counts, so plain tf.gradients may peak "
             "well below its figure and a plan may save less than said or nothing (a WGAN-GP "
             "critic step: plain 47 MB measured against 81.6 planned, every strategy above "

@@ -62,8 +62,10 @@ def test_a_critics_three_terms_are_found(graph):
 
 def test_terms_that_meet_before_the_sum_are_one_pass(graph):
     """A triplet loss (its passes meet in ``relu(d(a, p) - d(a, n) + m)``, whose gradient
-    reads the distances), a classifier with weight decay on each weight (each decay term
-    is tiny) and two heads on one trunk: no note."""
+    reads the distances), a classifier with weight decay on each weight, two heads on one
+    trunk, a residual stream summed (its adds are read by the next block: a reviewer's
+    case, said to be four passes before) and weight penalties larger than the
+    activations (``sum(square(w))``, ``tf.norm(w)``: they read no batch): no note."""
     rng = np.random.default_rng(1)
     w = [tf.Variable(rng.standard_normal((64, 64)).astype(np.float32) / 8) for _ in range(4)]
 
@@ -81,9 +83,20 @@ def test_terms_that_meet_before_the_sum_are_one_pass(graph):
     decayed = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
         labels=labels, logits=trunk)) + 1e-4 * tf.add_n([tf.nn.l2_loss(v) for v in w])
     two_heads = tf.reduce_mean(tf.square(trunk @ w[0])) + tf.reduce_mean(tf.sigmoid(trunk @ w[1]))
-    for loss in (triplet, decayed, two_heads):
+    stream = inputs[1]
+    for v in w:
+        stream = stream + tf.tanh(stream @ v)
+    residual = tf.reduce_sum(stream)
+    for loss in (triplet, decayed, two_heads, residual):
         plan = msg.plan(loss, w, checkpoints="memory")
         assert not [a for a in plan.assumptions if "separate forward passes" in a], plan
+    wide = [tf.Variable(rng.standard_normal((1024, 1024)).astype(np.float32) / 32)
+            for _ in range(2)]
+    h = tf.tanh(tf.constant(rng.standard_normal((8, 1024)).astype(np.float32)) @ wide[0])
+    penalised = (tf.reduce_mean(tf.square(h @ wide[1])) + 1e-4 * tf.reduce_sum(tf.square(wide[0]))
+                 + 1e-4 * tf.norm(wide[1]))
+    plan = msg.plan(penalised, wide, checkpoints="memory")
+    assert not [a for a in plan.assumptions if "separate forward passes" in a], plan
 
 
 def test_the_passes_are_split_where_only_weights_join_them(graph):
@@ -113,12 +126,13 @@ def test_plain_peaks_below_the_model_where_terms_run_apart(graph, measure_peak, 
     """What the note says, measured: on the WGAN-GP critic step plain tf.gradients peaked at
     47 MB where the model (whole forward pass, then whole backward pass) said 81.6, as the
     executor ran the fake and real passes' backward passes while the others' forward
-    passes ran; 'speed' measured 60.6 as planned, above plain.  Plain measures below 0.75x
-    of the plan's figure, and gradients() warns once per graph."""
+    passes ran; 'speed' measured 60.6 as planned, above plain.  Plain measures below 0.85x
+    of the plan's figure (how the executor interleaves is TensorFlow's, not the
+    library's: 0.58x measured), and gradients() warns once per graph."""
     loss, weights = _wgan_gp_critic_loss()
     plan = msg.plan(loss, weights, checkpoints="memory")
     plain = min(measure_peak(tf.compat.v1.gradients(loss, weights))[0] for _ in range(3))
-    assert plain <= 0.75 * plan.baseline_peak_bytes, (plain / MIB, plan.baseline_peak_bytes / MIB)
+    assert plain <= 0.85 * plan.baseline_peak_bytes, (plain / MIB, plan.baseline_peak_bytes / MIB)
     with caplog.at_level(logging.WARNING, logger="memory_saving_gradients"):
         msg.gradients(loss, weights, checkpoints="memory")
         msg.gradients(loss, weights, checkpoints="speed")
